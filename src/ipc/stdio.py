@@ -1,0 +1,105 @@
+"""Length-prefixed frames over pipes (the worker's stdin and stdout).
+
+Frame: ``[u32 little-endian length][payload]``. A length above
+`MAX_FRAME_BYTES`, or EOF in the middle of a frame, is `ChannelCorrupt`;
+EOF between frames is `ChannelClosed`.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import struct
+import threading
+
+from .channel import MAX_FRAME_BYTES, ChannelClosed, ChannelCorrupt
+
+_LEN = struct.Struct("<I")
+
+
+class PipeSender:
+    """Writes frames to a pipe fd; safe to call from several threads."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def send(self, frame: bytes | bytearray | memoryview) -> None:
+        n = len(frame)
+        if n > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {n} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+        data = memoryview(_LEN.pack(n) + bytes(frame))
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed("pipe sender is closed")
+            try:
+                while data:
+                    written = os.write(self._fd, data)
+                    data = data[written:]
+            except (BrokenPipeError, OSError) as exc:
+                raise ChannelClosed(f"peer closed the pipe: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+
+
+class PipeReceiver:
+    """Reads frames from a pipe fd; one reading thread at a time."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf = bytearray()
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _fill(self, need: int, timeout: float | None, in_frame: bool) -> None:
+        while len(self._buf) < need:
+            if timeout is not None:
+                ready, _, _ = select.select([self._fd], [], [], timeout)
+                if not ready:
+                    raise TimeoutError(f"no frame within {timeout} s")
+            try:
+                chunk = os.read(self._fd, max(65536, need - len(self._buf)))
+            except OSError as exc:
+                raise ChannelClosed(f"pipe read failed: {exc}") from exc
+            if not chunk:
+                if in_frame or self._buf:
+                    raise ChannelCorrupt(
+                        f"pipe closed mid-frame ({len(self._buf)} of {need} bytes)"
+                    )
+                raise ChannelClosed("peer closed the pipe (EOF)")
+            self._buf += chunk
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        if self._closed:
+            raise ChannelClosed("pipe receiver is closed")
+        self._fill(_LEN.size, timeout, in_frame=False)
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > MAX_FRAME_BYTES:
+            raise ChannelCorrupt(f"frame length {n} exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+        # Once the prefix is in, the rest of the frame is owed: wait without a timeout
+        # so a partial read never desynchronises the stream.
+        self._fill(_LEN.size + n, None, in_frame=True)
+        frame = bytes(self._buf[_LEN.size : _LEN.size + n])
+        del self._buf[: _LEN.size + n]
+        return frame
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
