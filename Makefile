@@ -1,0 +1,36 @@
+# make test: create .venv, install mlxrt with its test extras, run the tests.
+# make bench: the same set-up, then the benchmark on the built-in synthetic default.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UNAME := $(shell uname -s)
+# Linux wheels of MLX need a backend extra; macOS gets Metal from plain mlx.
+ifeq ($(UNAME),Linux)
+  EXTRAS ?= cpu,test,bench
+else
+  EXTRAS ?= test,bench
+endif
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: venv test bench soak lint clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info bench-results

@@ -1,0 +1,42 @@
+"""mlxrt: run MLX language models in supervised worker processes.
+
+    from mlxrt import Runtime
+    with Runtime(model="synthetic:tiny") as rt:
+        print(rt.generate("Hello", max_tokens=16).text)
+"""
+
+from .ipc.protocol import SamplingParams, Stats
+from .orchestrator.config import Timeouts
+from .orchestrator.errors import (
+    ChannelError,
+    MlxrtError,
+    MlxrtTimeout,
+    ModelLoadError,
+    ModelNotFoundError,
+    RequestError,
+    WorkerDied,
+)
+from .orchestrator.handle import WorkerInfo
+from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, Runtime, Stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncRuntime",
+    "AsyncStream",
+    "ChannelError",
+    "Chunk",
+    "Completion",
+    "MlxrtError",
+    "MlxrtTimeout",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "RequestError",
+    "Runtime",
+    "SamplingParams",
+    "Stats",
+    "Stream",
+    "Timeouts",
+    "WorkerDied",
+    "WorkerInfo",
+]

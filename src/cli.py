@@ -1,0 +1,90 @@
+"""``mlxrt``: generate from the terminal and make synthetic models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import structlog
+
+from . import logs
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .orchestrator.errors import MlxrtError
+    from .orchestrator.runtime import Runtime
+
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    prompt_arg: object = [{"role": "user", "content": prompt}] if args.chat else prompt
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+    }
+    try:
+        with Runtime(model=args.model, transport=args.transport) as rt:
+            stream = rt.stream(prompt_arg, **params)  # type: ignore[arg-type]
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            if args.stats and stream.stats is not None:
+                import msgspec
+
+                print(json.dumps(msgspec.to_builtins(stream.stats)), file=sys.stderr)
+    except (MlxrtError, ValueError) as exc:
+        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from .worker.synthetic import PRESETS, make_model
+
+    if args.preset not in PRESETS:
+        print(f"mlxrt: error: unknown preset {args.preset!r}; choose from {sorted(PRESETS)}", file=sys.stderr)
+        return 2
+    out = make_model(args.preset, args.out, seed=args.seed, force=args.force)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxrt", description=__doc__)
+    parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion to the terminal")
+    gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    gen.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
+    gen.add_argument("--stats", action="store_true", help="print the request's stats as JSON on stderr")
+    gen.set_defaults(func=_cmd_generate)
+
+    mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
+    mk.add_argument("preset", help="tiny, small, qwen2.5-0.5b-4bit, qwen2.5-7b-4bit")
+    mk.add_argument("--out", required=True, help="directory to write")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--force", action="store_true", help="rewrite even if the directory is current")
+    mk.set_defaults(func=_cmd_make_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(level=args.log_level)
+    structlog.get_logger("mlxrt.cli").debug("cli.start", command=args.command)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Every message between orchestrator and worker, in one place.
+
+Two tagged unions, one per direction: `Down` (orchestrator -> worker, on the
+worker's stdin) and `Up` (worker -> orchestrator, on stdout or the ring).
+Messages are ``array_like`` (msgspec requires one layout per union, and it
+keeps token frames small); the nested `SamplingParams` and `Stats` are maps.
+New fields get defaults and go last, so an older peer still decodes a newer
+one's frames;
+`PROTOCOL_VERSION` is checked in the handshake for everything else.
+
+Build one `Codec` per channel end and reuse it: msgspec encoders and decoders
+are cheap to call and costly to build. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+#: Largest repetition-penalty window: the penalty gathers this many past tokens
+#: on every step, so its cost grows with the window.
+MAX_REPETITION_CONTEXT = 1024
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_REPETITION_CONTEXT = 20
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """What to generate and how; validated in the orchestrator before sending."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = DEFAULT_REPETITION_CONTEXT
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingParams:
+        """Raise `ValueError` naming the first bad field; return self."""
+        _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)", self.top_k)
+        _check(0.0 <= self.min_p < 1.0, "min_p", "must be in [0, 1)", self.min_p)
+        if self.repetition_penalty is not None:
+            _check(
+                self.repetition_penalty > 0.0,
+                "repetition_penalty",
+                "must be > 0",
+                self.repetition_penalty,
+            )
+        _check(
+            1 <= self.repetition_context_size <= MAX_REPETITION_CONTEXT,
+            "repetition_context_size",
+            f"must be in [1, {MAX_REPETITION_CONTEXT}]",
+            self.repetition_context_size,
+        )
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
+        _check(all(self.stop), "stop", "must not contain empty strings", self.stop)
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be >= 0",
+            self.stop_token_ids,
+        )
+        return self
+
+
+def _check(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"invalid {field}={value!r}: {rule}")
+
+
+class Stats(msgspec.Struct, kw_only=True):
+    """One request's figures, measured in the worker."""
+
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    ttft_ms: float = 0.0
+    generation_tokens: int = 0
+    decode_tps: float = 0.0
+    decode_ms: float = 0.0
+    queue_ms: float = 0.0
+    peak_memory_bytes: int = 0
+    finish_reason: str = "stop"
+
+
+# ---- orchestrator -> worker -------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
+    protocol: int
+    model: str
+    worker_id: str
+    transport: Literal["stdio", "ring"] = "stdio"
+    warmup_tokens: int = 4
+    cache_limit_bytes: int | None = None
+
+
+class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
+    id: int
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True):
+    id: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+Down = Hello | Generate | Cancel | Shutdown
+
+
+# ---- worker -> orchestrator -------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
+    protocol: int
+    pid: int
+    model: str
+    context_length: int
+    vocab_size: int
+    load_s: float
+    warmup_s: float
+    mlx_version: str
+    mlx_lm_version: str
+    device: str
+
+
+class Tokens(msgspec.Struct, tag="t", array_like=True):
+    """Tokens produced since the last frame for one request, with their text."""
+
+    id: int
+    token_ids: list[int]
+    text: str
+
+
+class Done(msgspec.Struct, tag="done", array_like=True, kw_only=True):
+    id: int
+    stats: Stats
+    text: str = ""
+    token_ids: list[int] = []
+
+
+class Failed(msgspec.Struct, tag="err", array_like=True, kw_only=True):
+    """One request failed; the worker lives on."""
+
+    id: int
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+class Fatal(msgspec.Struct, tag="fatal", array_like=True, kw_only=True):
+    """The worker cannot go on (bad handshake, model failed to load)."""
+
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+Up = Ready | Tokens | Done | Failed | Fatal
+
+
+class Codec:
+    """One encoder and one decoder for one channel end."""
+
+    def __init__(self, incoming: object) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(incoming)  # type: ignore[call-overload]
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, frame: bytes | memoryview) -> object:
+        """Decode one frame; raises `msgspec.DecodeError` (incl. ValidationError) on garbage."""
+        return self._dec.decode(frame)
+
+
+def worker_codec() -> Codec:
+    """The worker's end: decodes `Down`, encodes `Up`."""
+    return Codec(Down)
+
+
+def orchestrator_codec() -> Codec:
+    """The orchestrator's end: decodes `Up`, encodes `Down`."""
+    return Codec(Up)

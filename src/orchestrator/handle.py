@@ -1,0 +1,350 @@
+"""One worker process as the orchestrator sees it: spawn, handshake, dispatch, stop.
+
+Death is noticed by the kernel: when the worker exits for any reason its end
+of the frame channel closes, the reader thread gets EOF and every request in
+flight fails at once with `WorkerDied`. A malformed frame is treated the same
+way (the worker is stopped: its channel can no longer be trusted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+
+from ..ipc.channel import ChannelClosed, ChannelCorrupt, Receiver, Sender
+from ..ipc.protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Done,
+    Failed,
+    Fatal,
+    Generate,
+    Hello,
+    Ready,
+    Shutdown,
+    Tokens,
+    orchestrator_codec,
+)
+from ..ipc.stdio import PipeReceiver, PipeSender
+from .config import Timeouts
+from .errors import ChannelError, MlxrtTimeout, ModelLoadError, WorkerDied
+
+log = structlog.get_logger("mlxrt.orchestrator")
+
+#: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied.
+Sink = Callable[[object], None]
+
+_names = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A snapshot of one worker, as `Runtime.workers` reports it."""
+
+    name: str
+    pid: int
+    model: str
+    state: str
+    transport: str
+    in_flight: int
+    requests: int
+    tokens: int
+    restarts: int = 0
+
+
+def _discard(_event: object) -> None:
+    pass
+
+
+class WorkerHandle:
+    """A worker process and its channels. States: starting, ready, stopping, dead."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        model_name: str,
+        transport: str,
+        timeouts: Timeouts,
+        warmup_tokens: int,
+        cache_limit_bytes: int | None = None,
+        argv: list[str] | None = None,
+    ) -> None:
+        self.model = model
+        self._argv = argv or [sys.executable, "-m", "mlxrt.worker"]
+        self.model_name = model_name
+        self.transport = transport
+        self.name = f"w{next(_names)}"
+        self._timeouts = timeouts
+        self._lock = threading.Lock()
+        self._sinks: dict[int, Sink] = {}
+        self._state = "starting"
+        self._requests = 0
+        self._tokens = 0
+        self._stderr_tail: deque[str] = deque(maxlen=40)
+        self._codec = orchestrator_codec()
+        self._ring = None
+        self._reading = False
+        self.ready: Ready | None = None
+        self.death: WorkerDied | None = None
+        self._spawn(warmup_tokens, cache_limit_bytes)
+
+    # -- life cycle ---------------------------------------------------------
+    def _spawn(self, warmup_tokens: int, cache_limit_bytes: int | None) -> None:
+        hello = Hello(
+            protocol=PROTOCOL_VERSION,
+            model=self.model,
+            worker_id=self.name,
+            transport=self.transport,  # type: ignore[arg-type]
+            warmup_tokens=warmup_tokens,
+            cache_limit_bytes=cache_limit_bytes,
+        )
+        pass_fds: tuple[int, ...] = ()
+        if self.transport == "ring":
+            from ..ipc.ring import RingChannel
+
+            self._ring = RingChannel.create()
+            hello.ring = self._ring.spec
+            pass_fds = self._ring.child_fds
+        self.proc = subprocess.Popen(
+            self._argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=pass_fds,
+            bufsize=0,
+        )
+        self.pid = self.proc.pid
+        self._tx: Sender = PipeSender(os.dup(self.proc.stdin.fileno()))
+        self.proc.stdin.close()
+        self._rx: Receiver
+        if self._ring is not None:
+            self._ring.after_spawn(self.pid)
+            self._rx = self._ring.receiver()
+            self.proc.stdout.close()
+        else:
+            self._rx = PipeReceiver(os.dup(self.proc.stdout.fileno()))
+            self.proc.stdout.close()
+        self._stderr_thread = threading.Thread(
+            target=self._pump_stderr, name=f"mlxrt-{self.name}-stderr", daemon=True
+        )
+        self._stderr_thread.start()
+        self._tx.send(self._codec.encode(hello))
+
+    def wait_ready(self) -> Ready:
+        """Block until the worker is ready; raise `ModelLoadError` or `MlxrtTimeout` otherwise.
+
+        On failure the process is stopped before the error is raised.
+        """
+        limit = self._timeouts.ready_s
+        deadline = time.monotonic() + limit
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                msg = self._codec.decode(self._rx.recv(timeout=remaining))
+                if isinstance(msg, Ready):
+                    break
+                if isinstance(msg, Fatal):
+                    raise ModelLoadError(
+                        f"worker for model {self.model!r} failed to start: "
+                        f"{msg.error_type}: {msg.message}"
+                    )
+        except TimeoutError:
+            self.kill()
+            raise MlxrtTimeout(
+                f"worker for model {self.model!r} did not become ready within {limit:g} s "
+                "(set MLXRT_READY_TIMEOUT_S)"
+            ) from None
+        except (ChannelClosed, msgspec.DecodeError) as exc:
+            code = self._reap(1.0)
+            raise ModelLoadError(
+                f"worker for model {self.model!r} exited before it was ready "
+                f"(exit code {code}): {self._last_stderr()}"
+            ) from exc
+        except BaseException:
+            self.kill()
+            raise
+        if msg.protocol != PROTOCOL_VERSION:
+            self.kill()
+            raise ModelLoadError(f"worker speaks protocol {msg.protocol}, expected {PROTOCOL_VERSION}")
+        if self._ring is not None:
+            self._ring.mark_attached()
+        self.ready = msg
+        with self._lock:
+            self._state = "ready"
+        self._reading = True
+        threading.Thread(target=self._read, name=f"mlxrt-{self.name}-reader", daemon=True).start()
+        log.info("worker.ready", worker=self.name, pid=self.pid, model=self.model_name,
+                 transport=self.transport, load_s=round(msg.load_s, 3), device=msg.device)
+        return msg
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ask the worker to exit; SIGTERM then SIGKILL if it does not within `timeout` s."""
+        timeout = self._timeouts.shutdown_s if timeout is None else timeout
+        with self._lock:
+            if self._state == "ready":
+                self._state = "stopping"
+        try:
+            self._tx.send(self._codec.encode(Shutdown()))
+        except ChannelClosed:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("worker.stop_timeout", worker=self.name, pid=self.pid, timeout_s=timeout)
+            self.proc.terminate()
+            try:
+                self.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._close_channels()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and release its channels."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._close_channels()
+
+    def _close_channels(self) -> None:
+        self._tx.close()
+        if not self._reading:  # else the reader thread closes it at EOF
+            self._rx.close()
+        self._stderr_thread.join(5.0)
+        if self._ring is not None:
+            self._ring.close()
+
+    def _reap(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    # -- requests -----------------------------------------------------------
+    def submit(self, req: Generate, sink: Sink) -> None:
+        """Send a request; events for it go to `sink` from the reader thread."""
+        frame = self._codec.encode(req)
+        with self._lock:
+            if self._state != "ready":
+                raise self.death or WorkerDied(f"worker {self.name} (pid {self.pid}) is {self._state}")
+            self._sinks[req.id] = sink
+            self._requests += 1
+        try:
+            self._tx.send(frame)
+        except ChannelClosed:
+            with self._lock:
+                self._sinks.pop(req.id, None)
+            raise self.death or WorkerDied(f"worker {self.name} (pid {self.pid}) is gone") from None
+
+    def cancel(self, req_id: int, *, discard: bool = False) -> None:
+        """Stop a request between two tokens; with `discard`, drop its remaining events.
+
+        Safe to call twice or after the request ended.
+        """
+        with self._lock:
+            if req_id not in self._sinks or self._state != "ready":
+                return
+            if discard:
+                self._sinks[req_id] = _discard
+        try:
+            self._tx.send(self._codec.encode(Cancel(req_id)))
+        except ChannelClosed:
+            pass
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sinks)
+
+    @property
+    def alive(self) -> bool:
+        return self._state == "ready"
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            name=self.name,
+            pid=self.pid,
+            model=self.model_name,
+            state=("busy" if self._sinks else "ready") if self._state == "ready" else self._state,
+            transport=self.transport,
+            in_flight=len(self._sinks),
+            requests=self._requests,
+            tokens=self._tokens,
+        )
+
+    # -- threads ------------------------------------------------------------
+    def _read(self) -> None:
+        decode, sinks = self._codec.decode, self._sinks
+        try:
+            while True:
+                msg = decode(self._rx.recv())
+                if type(msg) is Tokens:
+                    self._tokens += len(msg.token_ids)
+                    sink = sinks.get(msg.id)
+                    if sink is not None:
+                        sink(msg)
+                elif isinstance(msg, (Done, Failed)):
+                    with self._lock:
+                        sink = sinks.pop(msg.id, None)
+                    if sink is not None:
+                        sink(msg)
+        except ChannelCorrupt as exc:
+            self._die(ChannelError(f"worker {self.name} (pid {self.pid}) sent a bad frame: {exc}"))
+        except msgspec.DecodeError as exc:
+            self._die(ChannelError(f"worker {self.name} (pid {self.pid}) sent a malformed message: {exc}"))
+        except ChannelClosed:
+            self._die(None)
+
+    def _die(self, error: WorkerDied | None) -> None:
+        if error is not None:
+            self.proc.kill()
+        code = self._reap(1.0)
+        with self._lock:
+            stopping = self._state == "stopping"
+            self._state = "dead"
+            if error is None:
+                how = "was stopped" if stopping else f"died (exit code {code})"
+                error = WorkerDied(f"worker {self.name} (pid {self.pid}) {how}")
+            self.death = error
+            sinks, self._sinks = list(self._sinks.values()), {}
+        self._rx.close()
+        (log.info if stopping else log.error)(
+            "worker.exit", worker=self.name, pid=self.pid, code=code, error=str(error),
+            in_flight=len(sinks), stderr=None if stopping else self._last_stderr(),
+        )
+        for sink in sinks:
+            sink(error)
+
+    def _pump_stderr(self) -> None:
+        decoder = msgspec.json.Decoder(dict)
+        for raw in iter(self.proc.stderr.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._stderr_tail.append(line)
+            try:
+                fields = decoder.decode(raw)
+                event = str(fields.pop("event", "log"))
+                level = str(fields.pop("level", "info"))
+                fields.pop("timestamp", None)
+                log.log(_LEVELS.get(level, 20), event, worker=self.name, **fields)
+            except (msgspec.DecodeError, TypeError):
+                log.info("worker.stderr", worker=self.name, line=line)
+        self.proc.stderr.close()
+
+    def _last_stderr(self, lines: int = 8) -> str:
+        tail = list(self._stderr_tail)[-lines:]
+        return " | ".join(tail) if tail else "(no output)"
+
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}

@@ -1,0 +1,457 @@
+"""The public API: `Runtime` (threads) and `AsyncRuntime` (asyncio) over a pool of workers.
+
+Both share one `Pool`; a request goes to the least-loaded ready worker of its
+model and its events come back through a sink: a queue the caller's thread
+reads, or an asyncio queue fed with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+
+from .. import logs
+from ..ipc.protocol import ChatMessage, Done, Failed, Generate, SamplingParams, Stats, Tokens
+from .config import DEFAULT_WARMUP_TOKENS, Timeouts
+from .errors import MlxrtError, MlxrtTimeout, RequestError, WorkerDied
+from .handle import WorkerHandle, WorkerInfo
+from .models import resolve_model
+
+log = structlog.get_logger("mlxrt.orchestrator")
+
+TRANSPORTS = ("auto", "ring", "stdio")
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Text and token ids produced since the previous chunk of a stream."""
+
+    text: str
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request: all its text and token ids, with the worker's stats."""
+
+    text: str
+    tokens: list[int]
+    stats: Stats
+    model: str
+    finish_reason: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.finish_reason = self.stats.finish_reason
+
+
+def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Generate:
+    """Validate a prompt and sampling keywords into a `Generate`; `ValueError` names the field."""
+    unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {SamplingParams.__struct_fields__}")
+    if "stop" in params and isinstance(params["stop"], str):
+        params = {**params, "stop": [params["stop"]]}
+    try:
+        sp = msgspec.convert(params, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid sampling parameter: {exc}") from None
+    sp.validate()
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("invalid prompt: empty string")
+        return Generate(id=req_id, params=sp, prompt=prompt)
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise ValueError("invalid prompt: expected a non-empty str, list of token ids or list of messages")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):  # type: ignore[operator]
+            raise ValueError("invalid prompt: token ids must be >= 0")
+        return Generate(id=req_id, params=sp, prompt_ids=list(prompt))  # type: ignore[arg-type]
+    try:
+        messages = msgspec.convert(list(prompt), list[ChatMessage])
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid prompt messages: {exc}") from None
+    return Generate(id=req_id, params=sp, messages=messages)
+
+
+class Pool:
+    """Worker processes for one or more models, started together, stopped together."""
+
+    def __init__(
+        self,
+        models: Mapping[str, str],
+        *,
+        workers: int,
+        transport: str,
+        timeouts: Timeouts,
+        warmup_tokens: int,
+        cache_limit_bytes: int | None,
+        worker_argv: list[str] | None = None,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"invalid transport={transport!r}: must be one of {TRANSPORTS}")
+        if workers < 1:
+            raise ValueError(f"invalid workers={workers!r}: must be >= 1")
+        if not models:
+            raise ValueError("invalid model: name at least one model")
+        self.timeouts = timeouts
+        self.transport = _choose_transport(transport)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        targets = {name: resolve_model(ref) for name, ref in models.items()}
+        self.handles: dict[str, list[WorkerHandle]] = {name: [] for name in targets}
+        try:
+            for name, target in targets.items():
+                for _ in range(workers):
+                    self.handles[name].append(
+                        WorkerHandle(
+                            target,
+                            model_name=name,
+                            transport=self.transport,
+                            timeouts=timeouts,
+                            warmup_tokens=warmup_tokens,
+                            cache_limit_bytes=cache_limit_bytes,
+                            argv=worker_argv,
+                        )
+                    )
+            for handle in self.all():
+                handle.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.default_model = next(iter(self.handles))
+
+    def all(self) -> list[WorkerHandle]:
+        return [h for hs in self.handles.values() for h in hs]
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, model: str | None, req: Generate, sink) -> WorkerHandle:
+        """Send `req` to the least-loaded ready worker of `model`."""
+        name = model or self.default_model
+        handles = self.handles.get(name)
+        if handles is None:
+            raise ValueError(f"invalid model={name!r}: this runtime serves {sorted(self.handles)}")
+        with self._lock:
+            live = [h for h in handles if h.alive]
+            if not live:
+                death = next((h.death for h in handles if h.death), None)
+                raise WorkerDied(f"no live worker for model {name!r}" + (f": {death}" if death else ""))
+            handle = min(live, key=lambda h: h.in_flight)
+            handle.submit(req, sink)
+        return handle
+
+    def close(self) -> None:
+        """Stop every worker (in parallel); idempotent."""
+        threads = [threading.Thread(target=h.stop) for h in self.all()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _choose_transport(transport: str) -> str:
+    if transport == "stdio":
+        return "stdio"
+    try:
+        from ..ipc.ring import ring_self_test
+    except ImportError as exc:
+        reason: str | None = f"ring module unavailable: {exc}"
+    else:
+        reason = ring_self_test()
+    if reason is None:
+        return "ring"
+    if transport == "ring":
+        raise MlxrtError(f"transport='ring' requested but the ring self-test failed: {reason}")
+    log.warning("transport.fallback", chosen="stdio", reason=reason)
+    return "stdio"
+
+
+def _event_to_chunk(event: object, stream: _StreamBase) -> Chunk | None:
+    """Apply one worker event to `stream`; return a chunk to yield, or None when done."""
+    if type(event) is Tokens:
+        return Chunk(event.text, event.token_ids)
+    stream._done = True
+    if isinstance(event, Done):
+        stream.stats = event.stats
+        if event.text or event.token_ids:
+            return Chunk(event.text, list(event.token_ids))
+        return None
+    if isinstance(event, Failed):
+        raise RequestError(event.error_type, event.message, event.traceback)
+    if isinstance(event, BaseException):
+        raise event
+    raise MlxrtError(f"unexpected event {event!r}")
+
+
+class _StreamBase:
+    stats: Stats | None
+
+    def __init__(self, pool: Pool, model: str | None, req: Generate, sink) -> None:
+        self.model = model or pool.default_model
+        self.id = req.id
+        self.stats = None
+        self._done = False
+        self._token_timeout = pool.timeouts.token_s
+        self._handle = pool.submit(model, req, sink)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stats.finish_reason if self.stats else None
+
+    @property
+    def worker(self) -> WorkerInfo:
+        """The worker serving this request."""
+        return self._handle.info()
+
+    def cancel(self) -> None:
+        """Ask the worker to stop between two tokens; iterating then ends with
+        ``finish_reason == "cancelled"`` and the stats of what was generated."""
+        if not self._done:
+            self._handle.cancel(self.id)
+
+    def close(self) -> None:
+        """Cancel and forget: remaining chunks and stats are dropped."""
+        if not self._done:
+            self._done = True
+            self._handle.cancel(self.id, discard=True)
+
+    def _timeout_error(self) -> MlxrtTimeout:
+        self.close()
+        return MlxrtTimeout(
+            f"request {self.id} got nothing from worker {self._handle.name} within "
+            f"{self._token_timeout:g} s (set MLXRT_TOKEN_TIMEOUT_S)"
+        )
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Stream(_StreamBase):
+    """Iterate for `Chunk`s; breaking out (or `close()`) cancels the request in the worker.
+
+    Breaking out relies on the stream being garbage-collected (immediate in
+    CPython); call `close()` or use ``with`` to be explicit.
+    """
+
+    def __init__(self, pool: Pool, model: str | None, req: Generate) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        super().__init__(pool, model, req, self._q.put)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        while not self._done:
+            try:
+                event = self._q.get(timeout=self._token_timeout)
+            except queue.Empty:
+                raise self._timeout_error() from None
+            chunk = _event_to_chunk(event, self)
+            if chunk is not None:
+                return chunk
+        raise StopIteration
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStream(_StreamBase):
+    """``async for`` over `Chunk`s; leaving the loop early (or `aclose()`) cancels the request."""
+
+    def __init__(self, pool: Pool, model: str | None, req: Generate) -> None:
+        loop = asyncio.get_running_loop()
+        self._q: asyncio.Queue = asyncio.Queue()
+        put = self._q.put_nowait
+
+        def sink(event: object) -> None:
+            try:
+                loop.call_soon_threadsafe(put, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        super().__init__(pool, model, req, sink)
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        while not self._done:
+            try:
+                event = self._q.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    event = await asyncio.wait_for(self._q.get(), self._token_timeout)
+                except TimeoutError:
+                    raise self._timeout_error() from None
+            chunk = _event_to_chunk(event, self)
+            if chunk is not None:
+                return chunk
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+def _collect(chunks: list[Chunk], stream: _StreamBase) -> Completion:
+    text = "".join(c.text for c in chunks)
+    tokens = [t for c in chunks for t in c.tokens]
+    assert stream.stats is not None
+    return Completion(text=text, tokens=tokens, stats=stream.stats, model=stream.model)
+
+
+def _model_map(model: str | None, models: Mapping[str, str] | None) -> dict[str, str]:
+    out = dict(models or {})
+    if model is not None:
+        out.setdefault(model, model)
+    return out
+
+
+class Runtime:
+    """MLX models in worker processes, from synchronous code.
+
+    >>> with Runtime(model="synthetic:tiny") as rt:          # doctest: +SKIP
+    ...     rt.generate("Hello", max_tokens=8).text
+
+    `model` is a local directory, a Hugging Face id or ``synthetic:PRESET``;
+    `models` maps names to such references to serve several. Sampling keywords
+    of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
+    repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
+    ignore_eos.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        models: Mapping[str, str] | None = None,
+        workers: int = 1,
+        transport: str = "auto",
+        timeouts: Timeouts | None = None,
+        warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
+        cache_limit_bytes: int | None = None,
+        _worker_argv: list[str] | None = None,
+    ) -> None:
+        _ensure_logging()
+        self._pool = Pool(
+            _model_map(model, models),
+            workers=workers,
+            transport=transport,
+            timeouts=timeouts or Timeouts.from_env(),
+            warmup_tokens=warmup_tokens,
+            cache_limit_bytes=cache_limit_bytes,
+            worker_argv=_worker_argv,  # tests substitute fake workers here
+        )
+        # Stop the workers even if the caller forgets: at garbage collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, self._pool.close)
+
+    @property
+    def transport(self) -> str:
+        return self._pool.transport
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        return [h.info() for h in self._pool.all()]
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._pool.handles)
+
+    def stream(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Stream:
+        """Start a request and return its `Stream` of chunks."""
+        req = build_request(self._pool.next_id(), prompt, params)
+        return Stream(self._pool, model, req)
+
+    def generate(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Completion:
+        """Run a request to the end and return its `Completion`."""
+        stream = self.stream(prompt, model=model, **params)
+        return _collect(list(stream), stream)
+
+    def close(self) -> None:
+        """Stop every worker; idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRuntime:
+    """The asyncio twin of `Runtime`: ``async with AsyncRuntime(...) as rt``.
+
+    Workers start in a thread so the event loop keeps running meanwhile.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        _ensure_logging()
+        self._args = (model, kwargs)
+        self._rt: Runtime | None = None
+
+    async def start(self) -> AsyncRuntime:
+        model, kwargs = self._args
+        self._rt = await asyncio.to_thread(Runtime, model, **kwargs)
+        return self
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._rt is None:
+            raise MlxrtError("AsyncRuntime is not started: use `async with` or `await rt.start()`")
+        return self._rt
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        return self.runtime.workers
+
+    @property
+    def models(self) -> list[str]:
+        return self.runtime.models
+
+    @property
+    def transport(self) -> str:
+        return self.runtime.transport
+
+    def stream(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> AsyncStream:
+        pool = self.runtime._pool
+        req = build_request(pool.next_id(), prompt, params)
+        return AsyncStream(pool, model, req)
+
+    async def generate(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Completion:
+        stream = self.stream(prompt, model=model, **params)
+        chunks = [c async for c in stream]
+        return _collect(chunks, stream)
+
+    async def close(self) -> None:
+        if self._rt is not None:
+            await asyncio.to_thread(self._rt.close)
+
+    async def __aenter__(self) -> AsyncRuntime:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _ensure_logging() -> None:
+    """A library must not print to the app's stdout: default to warnings on stderr."""
+    if not structlog.is_configured():
+        import os
+
+        logs.configure(level=os.environ.get("MLXRT_LOG_LEVEL", "warning"))

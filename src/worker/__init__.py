@@ -1,0 +1,1 @@
+"""The MLX side: the engine that generates, and the process that hosts it."""

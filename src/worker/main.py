@@ -1,0 +1,289 @@
+"""The worker process: handshake, then serve requests on one MLX thread.
+
+::
+
+    orchestrator                      worker process
+    ------------                      ------------------------------------------
+    stdin  --Hello/Generate/Cancel--> reader thread --> Server (queue, cancel flags)
+                                                          |
+                                                     main thread = MLX thread
+                                                     Engine.generate, per token:
+                                                          | outbox.token() (never blocks)
+    stdout/ring <---Ready/Tokens/Done--- writer thread <--+  (drains and coalesces)
+    stderr  <---JSON log lines--------- structlog
+
+The process claims its stdin and stdout for frames before MLX is imported:
+fd 1 is pointed at stderr, so a stray print, from Python or C, lands in the
+orchestrator's log instead of corrupting the channel. EOF on stdin means the
+orchestrator is gone: the worker cancels what it was doing and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+from ..ipc.channel import ChannelClosed, Receiver, Sender
+from ..ipc.protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Done,
+    Failed,
+    Fatal,
+    Generate,
+    Hello,
+    Ready,
+    Shutdown,
+    Stats,
+    Tokens,
+    worker_codec,
+)
+from ..ipc.stdio import PipeReceiver, PipeSender
+
+DEFAULT_HELLO_TIMEOUT_S = 30.0
+
+
+def _claim_stdio() -> tuple[int, int]:
+    """Keep private copies of fds 0 and 1 for frames; point fd 1 at stderr, fd 0 at /dev/null."""
+    in_fd, out_fd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return in_fd, out_fd
+
+
+class Outbox:
+    """Sends frames from a thread of its own, so the MLX thread never blocks on I/O.
+
+    Tokens produced while the writer was busy are coalesced into one frame per
+    request: batching follows the pipe's actual speed, with no added delay.
+    """
+
+    def __init__(self, tx: Sender) -> None:
+        self._tx = tx
+        self._codec = worker_codec()
+        self._items: deque = deque()
+        self._wake = threading.Event()
+        self._closing = False
+        self.failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlxrt-writer", daemon=True)
+        self._thread.start()
+
+    def token(self, req_id: int, token: int, text: str) -> None:
+        self._items.append((req_id, token, text))
+        self._wake.set()
+
+    def message(self, msg: object) -> None:
+        self._items.append(msg)
+        self._wake.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the writer thread."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            try:
+                for msg in self._drain():
+                    self._tx.send(self._codec.encode(msg))
+            except ChannelClosed as exc:
+                self.failed = exc
+                return
+            if self._closing and not self._items:
+                return
+
+    def _drain(self) -> list:
+        out: list = []
+        items = self._items
+        while items:
+            item = items.popleft()
+            if type(item) is tuple:
+                req_id, token, text = item
+                last = out[-1] if out else None
+                if isinstance(last, Tokens) and last.id == req_id:
+                    last.token_ids.append(token)
+                    last.text += text
+                else:
+                    out.append(Tokens(req_id, [token], text))
+            else:
+                out.append(item)
+        return out
+
+
+class Server:
+    """Queues requests from the reader thread and runs them one at a time on the MLX thread."""
+
+    def __init__(self, engine, outbox: Outbox) -> None:
+        self._engine = engine
+        self._outbox = outbox
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Generate, float]] = deque()
+        self._cancelled: set[int] = set()
+        self._current: int | None = None
+        self._stopping = False
+
+    # -- reader thread --
+    def on_message(self, msg: object) -> None:
+        with self._cond:
+            if isinstance(msg, Generate):
+                self._queue.append((msg, time.perf_counter()))
+            elif isinstance(msg, Cancel):
+                self._cancel(msg.id)
+            elif isinstance(msg, Shutdown):
+                self._stop()
+            self._cond.notify()
+
+    def on_eof(self) -> None:
+        with self._cond:
+            self._stop()
+            self._cond.notify()
+
+    def _cancel(self, req_id: int) -> None:
+        for item in self._queue:
+            if item[0].id == req_id:
+                self._queue.remove(item)
+                self._outbox.message(Done(id=req_id, stats=Stats(finish_reason="cancelled")))
+                return
+        if self._current == req_id:
+            self._cancelled.add(req_id)
+
+    def _stop(self) -> None:
+        self._stopping = True
+        if self._current is not None:
+            self._cancelled.add(self._current)
+        for req, _ in self._queue:
+            self._outbox.message(Done(id=req.id, stats=Stats(finish_reason="cancelled")))
+        self._queue.clear()
+
+    # -- MLX thread --
+    def serve_forever(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                req, queued_at = self._queue.popleft()
+                self._current = req.id
+            self._run(req, queued_at)
+            with self._cond:
+                self._current = None
+                self._cancelled.discard(req.id)
+
+    def _run(self, req: Generate, queued_at: float) -> None:
+        outbox, req_id, cancelled = self._outbox, req.id, self._cancelled
+        try:
+            result = self._engine.generate(
+                req,
+                lambda token, text: outbox.token(req_id, token, text),
+                lambda: req_id in cancelled,
+                queued_at=queued_at,
+            )
+        except Exception as exc:  # the request fails; the worker lives on
+            outbox.message(
+                Failed(
+                    id=req_id,
+                    error_type=type(exc).__name__,
+                    message=str(exc),
+                    traceback=traceback.format_exc(),
+                )
+            )
+            return
+        outbox.message(Done(id=req_id, stats=result.stats, text=result.tail_text))
+
+
+def _read_loop(rx: Receiver, server: Server, log) -> None:
+    codec = worker_codec()
+    try:
+        while True:
+            server.on_message(codec.decode(rx.recv()))
+    except ChannelClosed:
+        pass
+    except Exception as exc:  # a bad frame from the orchestrator: stop rather than guess
+        log.error("worker.bad_frame", error=repr(exc))
+    server.on_eof()
+
+
+def _fatal(tx: Sender, exc: BaseException) -> None:
+    msg = Fatal(error_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())
+    try:
+        tx.send(worker_codec().encode(msg))
+    except ChannelClosed:
+        pass
+
+
+def _open_channel(hello: Hello, out_fd: int) -> Sender:
+    if hello.transport == "ring":
+        from ..ipc.ring import attach_ring
+
+        os.close(out_fd)
+        return attach_ring(hello.ring)
+    return PipeSender(out_fd)
+
+
+def main() -> None:
+    in_fd, out_fd = _claim_stdio()
+    from .. import logs
+
+    logs.configure(json=True)
+    import structlog
+
+    log = structlog.get_logger("mlxrt.worker")
+    rx = PipeReceiver(in_fd)
+    codec = worker_codec()
+    timeout = float(os.environ.get("MLXRT_HELLO_TIMEOUT_S", DEFAULT_HELLO_TIMEOUT_S))
+    try:
+        hello = codec.decode(rx.recv(timeout=timeout))
+        if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
+            raise ValueError(f"bad handshake {hello!r}: this worker speaks protocol {PROTOCOL_VERSION}")
+    except Exception as exc:
+        _fatal(PipeSender(out_fd), exc)
+        os._exit(2)
+    tx = _open_channel(hello, out_fd)
+    try:
+        import mlx.core as mx
+        import mlx_lm
+
+        from .engine import Engine
+
+        engine = Engine(hello.model, cache_limit_bytes=hello.cache_limit_bytes)
+        engine.warmup(hello.warmup_tokens)
+    except Exception as exc:
+        log.error("worker.load_failed", model=hello.model, error=repr(exc))
+        _fatal(tx, exc)
+        tx.close()
+        os._exit(1)
+    outbox = Outbox(tx)
+    outbox.message(
+        Ready(
+            protocol=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            model=hello.model,
+            context_length=engine.context_length,
+            vocab_size=engine.vocab_size,
+            load_s=engine.load_s,
+            warmup_s=engine.warmup_s,
+            mlx_version=mx.__version__,
+            mlx_lm_version=mlx_lm.__version__,
+            device=str(mx.default_device()),
+        )
+    )
+    log.info("worker.ready", model=hello.model, load_s=round(engine.load_s, 3))
+    server = Server(engine, outbox)
+    threading.Thread(target=_read_loop, args=(rx, server, log), name="mlxrt-reader", daemon=True).start()
+    server.serve_forever()
+    outbox.close()
+    tx.close()
+    log.info("worker.exit")
+    # Skip interpreter teardown: MLX's threads can make it slow, and there is nothing left to flush.
+    os._exit(0)

@@ -1,0 +1,150 @@
+"""Bad input and faults: each ends in a clear error, never a hang, never an orphan process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import TRANSPORTS
+from mlxrt import (
+    ChannelError,
+    MlxrtTimeout,
+    ModelLoadError,
+    ModelNotFoundError,
+    Runtime,
+    Timeouts,
+    WorkerDied,
+)
+
+FAKE = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
+
+
+def run_with_deadline(fn, seconds: float):
+    """Run fn in a thread; fail the test if it has not returned or raised after `seconds`."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed back to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s: a hang"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_unknown_model_path_is_a_clear_error():
+    """A model directory that does not exist fails in Runtime() with the path in the message."""
+    with pytest.raises(ModelNotFoundError, match="/no/such/model"):
+        Runtime(model="/no/such/model")
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    """A directory that is not a model directory is refused before any worker starts."""
+    with pytest.raises(ModelLoadError, match="config.json"):
+        Runtime(model=str(tmp_path))
+
+
+@pytest.mark.parametrize("breakage", ["bad_json", "no_weights", "bad_weights"])
+def test_corrupt_model_directory_is_a_clear_error(tmp_path, tiny_model, breakage):
+    """A corrupt model directory: ModelLoadError naming the model; the worker does not linger."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for f in Path(tiny_model).iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    if breakage == "bad_json":
+        (bad / "config.json").write_text("{not json")
+    elif breakage == "no_weights":
+        for f in bad.glob("*.safetensors"):
+            f.unlink()
+    else:
+        for f in bad.glob("*.safetensors"):
+            f.write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="failed to start|exited before"):
+        Runtime(model=str(bad), transport="stdio")
+
+
+def test_unknown_synthetic_preset_is_a_clear_error():
+    """An unknown synthetic preset name fails in Runtime() and says so."""
+    with pytest.raises(ModelLoadError, match="no-such-preset"):
+        Runtime(model="synthetic:no-such-preset", transport="stdio")
+
+
+@pytest.mark.parametrize("mode", ["garbage", "wrong_type", "truncated", "huge_length"])
+def test_malformed_frame_closes_the_channel_with_a_clear_error(tiny_model, mode, monkeypatch):
+    """A malformed or truncated frame: the request fails with ChannelError; the orchestrator survives."""
+    monkeypatch.setenv("FAKE_MODE", mode)
+    with Runtime(model=tiny_model, transport="stdio", _worker_argv=FAKE) as rt:
+        with pytest.raises(ChannelError, match="bad frame|malformed|mid-frame|exceeds"):
+            run_with_deadline(lambda: rt.generate("hi", max_tokens=4), 10)
+        assert rt.workers[0].state == "dead"
+        with pytest.raises(WorkerDied):
+            rt.generate("hi", max_tokens=4)
+
+
+def test_worker_that_never_becomes_ready_times_out_naming_the_setting():
+    """A worker that never answers the handshake: MlxrtTimeout naming MLXRT_READY_TIMEOUT_S."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(MlxrtTimeout, match="MLXRT_READY_TIMEOUT_S"):
+        run_with_deadline(
+            lambda: Runtime(model="synthetic:tiny", transport="stdio",
+                            timeouts=Timeouts(ready_s=1.0), _worker_argv=sleeper),
+            20,
+        )
+
+
+def test_worker_exiting_before_ready_reports_its_exit_code():
+    """A worker that exits during start-up: ModelLoadError with its exit code and output."""
+    dies = [sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"]
+    with pytest.raises(ModelLoadError, match=r"exit code 3.*boom"):
+        Runtime(model="synthetic:tiny", transport="stdio", _worker_argv=dies)
+
+
+def test_silent_worker_times_out_naming_the_setting(tiny_model, monkeypatch):
+    """A worker that stops answering a request: MlxrtTimeout naming MLXRT_TOKEN_TIMEOUT_S."""
+    monkeypatch.setenv("FAKE_MODE", "silent")
+    with Runtime(model=tiny_model, transport="stdio", timeouts=Timeouts(token_s=0.5),
+                 _worker_argv=FAKE) as rt:
+        with pytest.raises(MlxrtTimeout, match="MLXRT_TOKEN_TIMEOUT_S"):
+            run_with_deadline(lambda: rt.generate("hi", max_tokens=4), 10)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigkill_mid_stream_raises_worker_died_promptly(tiny_model, transport):
+    """SIGKILL of the worker mid-stream: the caller gets WorkerDied, not a hang."""
+    with Runtime(model=tiny_model, transport=transport) as rt:
+        stream = rt.stream("The quick brown fox", max_tokens=400, ignore_eos=True)
+        next(stream)
+        os.kill(rt.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="died"):
+            run_with_deadline(lambda: list(stream), 5)
+        assert rt.workers[0].state == "dead"
+        with pytest.raises(WorkerDied):
+            rt.generate("hi", max_tokens=2)
+
+
+def test_closing_the_runtime_stops_its_workers(tiny_model):
+    """close() stops every worker process; a request in flight ends as cancelled, not hung."""
+    rt = Runtime(model=tiny_model, workers=2, transport="stdio")
+    stream = rt.stream("hello", max_tokens=400, ignore_eos=True)
+    next(stream)
+    pids = [w.pid for w in rt.workers]
+    rt.close()
+    rt.close()  # idempotent
+    run_with_deadline(lambda: list(stream), 5)
+    assert stream.finish_reason == "cancelled"
+    with pytest.raises(WorkerDied):
+        rt.generate("hi", max_tokens=2)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
