@@ -148,3 +148,41 @@ def test_closing_the_runtime_stops_its_workers(tiny_model):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+ORCHESTRATOR = """
+import sys, time
+from mlxrt import Runtime
+rt = Runtime(model=sys.argv[1], workers=2, transport=sys.argv[2])
+stream = rt.stream("hello", max_tokens=400, ignore_eos=True)
+next(stream)
+print(" ".join(str(w.pid) for w in rt.workers), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigkill_of_the_orchestrator_stops_its_workers(tiny_model, transport):
+    """SIGKILL of the orchestrator: its workers notice (stdin EOF), exit, and leave no shared memory."""
+    import glob
+    import subprocess
+
+    import psutil
+
+    before = set(glob.glob("/dev/shm/mlxrt-*"))
+    proc = subprocess.Popen([sys.executable, "-c", ORCHESTRATOR, tiny_model, transport],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in run_with_deadline(proc.stdout.readline, 60).split()]
+        workers = [psutil.Process(p) for p in pids]
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        for p in alive:
+            p.kill()
+        assert not alive, "workers outlived their orchestrator"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert set(glob.glob("/dev/shm/mlxrt-*")) - before == set()

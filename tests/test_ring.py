@@ -379,3 +379,24 @@ def test_chunked_send_cut_off_by_timeout_poisons_the_sender() -> None:
         with pytest.raises(ChannelClosed, match="cut off"):
             tx.send(b"next")
         tx.close()
+
+
+def test_try_send_refuses_when_full_and_loses_nothing() -> None:
+    """try_send publishes whole records until the ring is full, then refuses without waiting;
+    after the consumer drains, every accepted frame is there, in order, across the wrap."""
+    with RingChannel.create(capacity=4096) as ring:
+        spec = msgspec.structs.replace(ring.spec, doorbell_fd=os.dup(ring.spec.doorbell_fd))
+        tx = attach_ring(spec, full_timeout_s=0.2)
+        ring.after_spawn(os.getpid())
+        rx = ring.receiver()
+        sent = []
+        for round_ in range(3):
+            i = 0
+            while tx.try_send(f"{round_}:{i}".encode() * 7):
+                sent.append(f"{round_}:{i}".encode() * 7)
+                i += 1
+            assert i > 0
+            assert not tx.try_send(b"x" * 3000)  # larger than half the ring: never in one record
+            got = [rx.recv(timeout=1) for _ in range(i)]
+            assert got == sent[-i:]
+        tx.close()

@@ -29,6 +29,11 @@ class Sender(Protocol):
         """Deliver one frame whole; raise `ChannelClosed` if the peer is gone."""
         ...
 
+    def try_send(self, frame: bytes | bytearray | memoryview) -> bool:
+        """Deliver the frame whole if that needs no waiting and return True; else send
+        nothing and return False. Raises `ChannelClosed` if the peer is gone."""
+        ...
+
     def close(self) -> None: ...
 
 

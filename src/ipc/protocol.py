@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from .ring import RingSpec
+
 PROTOCOL_VERSION = 1
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
@@ -110,6 +112,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
     transport: Literal["stdio", "ring"] = "stdio"
     warmup_tokens: int = 4
     cache_limit_bytes: int | None = None
+    ring: RingSpec | None = None
 
 
 class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
@@ -132,6 +135,12 @@ Down = Hello | Generate | Cancel | Shutdown
 
 
 # ---- worker -> orchestrator -------------------------------------------------
+
+
+class Attached(msgspec.Struct, tag="attached", array_like=True):
+    """The worker mapped the ring: the orchestrator may unlink its name now."""
+
+    pid: int
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
@@ -179,7 +188,7 @@ class Fatal(msgspec.Struct, tag="fatal", array_like=True, kw_only=True):
     traceback: str = ""
 
 
-Up = Ready | Tokens | Done | Failed | Fatal
+Up = Attached | Ready | Tokens | Done | Failed | Fatal
 
 
 class Codec:

@@ -611,6 +611,24 @@ class RingSender:
         if self._put(_DATA + pos, n | seq << 32, frame, _TAIL, tail, _SLEEPING):
             self._ring_doorbell()
 
+    def try_send(self, frame: bytes | bytearray | memoryview) -> bool:
+        """Publish the frame if it fits in one record without waiting for space; else
+        publish nothing and return False."""
+        if self._dead is not None:
+            raise self._dead
+        n = len(frame) if type(frame) is not memoryview else frame.nbytes
+        if n > self._max_chunk:
+            return False
+        size = (n + 15) & -8
+        pos = self._tail % self._cap
+        need = size + (self._cap - pos if pos + size > self._cap else 0)  # padding to the wrap
+        if self._tail + need - self._head > self._cap:
+            self._head = self._checked_head()
+            if self._tail + need - self._head > self._cap:
+                return False
+        self.send(frame)
+        return True
+
     def _send_chunked(self, frame: bytes | bytearray | memoryview, n: int) -> None:
         if n > MAX_FRAME_BYTES:
             raise ValueError(f"frame of {n} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")

@@ -18,12 +18,17 @@ _LEN = struct.Struct("<I")
 
 
 class PipeSender:
-    """Writes frames to a pipe fd; safe to call from several threads."""
+    """Writes frames to a pipe fd; safe to call from several threads.
+
+    The fd is made non-blocking so `try_send` can refuse instead of waiting;
+    `send` waits for room with `select`.
+    """
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._lock = threading.Lock()
         self._closed = False
+        os.set_blocking(fd, False)
 
     def fileno(self) -> int:
         return self._fd
@@ -38,10 +43,29 @@ class PipeSender:
                 raise ChannelClosed("pipe sender is closed")
             try:
                 while data:
-                    written = os.write(self._fd, data)
-                    data = data[written:]
-            except (BrokenPipeError, OSError) as exc:
+                    try:
+                        data = data[os.write(self._fd, data) :]
+                    except BlockingIOError:
+                        select.select([], [self._fd], [])
+            except OSError as exc:
                 raise ChannelClosed(f"peer closed the pipe: {exc}") from exc
+
+    def try_send(self, frame: bytes | bytearray | memoryview) -> bool:
+        """Write the frame in one atomic write (at most PIPE_BUF bytes) or not at all."""
+        data = _LEN.pack(len(frame)) + bytes(frame)
+        if len(data) > select.PIPE_BUF or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._closed:
+                raise ChannelClosed("pipe sender is closed")
+            os.write(self._fd, data)  # POSIX: a write of <= PIPE_BUF bytes is all or nothing
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise ChannelClosed(f"peer closed the pipe: {exc}") from exc
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:

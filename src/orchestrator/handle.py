@@ -24,6 +24,7 @@ import structlog
 from ..ipc.channel import ChannelClosed, ChannelCorrupt, Receiver, Sender
 from ..ipc.protocol import (
     PROTOCOL_VERSION,
+    Attached,
     Cancel,
     Done,
     Failed,
@@ -114,7 +115,7 @@ class WorkerHandle:
             from ..ipc.ring import RingChannel
 
             self._ring = RingChannel.create()
-            hello.ring = self._ring.spec
+            hello = msgspec.structs.replace(hello, ring=self._ring.spec)
             pass_fds = self._ring.child_fds
         self.proc = subprocess.Popen(
             self._argv,
@@ -154,7 +155,9 @@ class WorkerHandle:
                 if remaining <= 0:
                     raise TimeoutError
                 msg = self._codec.decode(self._rx.recv(timeout=remaining))
-                if isinstance(msg, Ready):
+                if isinstance(msg, Attached) and self._ring is not None:
+                    self._ring.mark_attached()
+                elif isinstance(msg, Ready):
                     break
                 if isinstance(msg, Fatal):
                     raise ModelLoadError(
@@ -179,8 +182,6 @@ class WorkerHandle:
         if msg.protocol != PROTOCOL_VERSION:
             self.kill()
             raise ModelLoadError(f"worker speaks protocol {msg.protocol}, expected {PROTOCOL_VERSION}")
-        if self._ring is not None:
-            self._ring.mark_attached()
         self.ready = msg
         with self._lock:
             self._state = "ready"

@@ -8,6 +8,7 @@ reads, or an asyncio queue fed with ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -160,15 +161,26 @@ class Pool:
             t.join()
 
 
+@functools.cache
+def _ring_problem() -> str | None:
+    """Why the ring cannot be used in this process, or None; runs once per process.
+
+    First sweeps away segments left by orchestrators that died before unlinking.
+    """
+    try:
+        from ..ipc.ring import ring_self_test, sweep_stale_segments
+    except ImportError as exc:
+        return f"ring module unavailable: {exc}"
+    swept = sweep_stale_segments()
+    if swept:
+        log.warning("ring.swept_stale_segments", names=swept)
+    return ring_self_test()
+
+
 def _choose_transport(transport: str) -> str:
     if transport == "stdio":
         return "stdio"
-    try:
-        from ..ipc.ring import ring_self_test
-    except ImportError as exc:
-        reason: str | None = f"ring module unavailable: {exc}"
-    else:
-        reason = ring_self_test()
+    reason = _ring_problem()
     if reason is None:
         return "ring"
     if transport == "ring":

@@ -9,7 +9,9 @@
                                                      main thread = MLX thread
                                                      Engine.generate, per token:
                                                           | outbox.token() (never blocks)
-    stdout/ring <---Ready/Tokens/Done--- writer thread <--+  (drains and coalesces)
+    stdout/ring <---Ready/Tokens/Done--- sent by the MLX thread itself when the
+                                         channel takes it at once, else by the
+                                         writer thread (drains and coalesces)
     stderr  <---JSON log lines--------- structlog
 
 The process claims its stdin and stdout for frames before MLX is imported:
@@ -30,6 +32,7 @@ from collections import deque
 from ..ipc.channel import ChannelClosed, Receiver, Sender
 from ..ipc.protocol import (
     PROTOCOL_VERSION,
+    Attached,
     Cancel,
     Done,
     Failed,
@@ -59,16 +62,21 @@ def _claim_stdio() -> tuple[int, int]:
 
 
 class Outbox:
-    """Sends frames from a thread of its own, so the MLX thread never blocks on I/O.
+    """Sends frames without ever making the MLX thread wait on I/O.
 
-    Tokens produced while the writer was busy are coalesced into one frame per
-    request: batching follows the pipe's actual speed, with no added delay.
+    The calling thread sends a frame itself when nothing is queued and the
+    channel takes it without waiting (`try_send`): no thread hand-off, whose
+    GIL round trip would add up to a switch interval (5 ms) to a token's
+    latency. Otherwise the frame is queued for the writer thread, which
+    coalesces queued tokens into one frame per request, so under backpressure
+    batching follows the consumer's actual speed with no added delay.
     """
 
     def __init__(self, tx: Sender) -> None:
         self._tx = tx
-        self._codec = worker_codec()
+        self._encode = worker_codec().encode
         self._items: deque = deque()
+        self._send_lock = threading.Lock()  # one sender at a time: the ring has one producer
         self._wake = threading.Event()
         self._closing = False
         self.failed: BaseException | None = None
@@ -76,11 +84,26 @@ class Outbox:
         self._thread.start()
 
     def token(self, req_id: int, token: int, text: str) -> None:
-        self._items.append((req_id, token, text))
-        self._wake.set()
+        if not self._try_direct(Tokens(req_id, [token], text)):
+            self._enqueue((req_id, token, text))
 
     def message(self, msg: object) -> None:
-        self._items.append(msg)
+        if not self._try_direct(msg):
+            self._enqueue(msg)
+
+    def _try_direct(self, msg: object) -> bool:
+        if self._items or self.failed is not None or not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            return not self._items and self._tx.try_send(self._encode(msg))
+        except ChannelClosed as exc:
+            self.failed = exc
+            return False
+        finally:
+            self._send_lock.release()
+
+    def _enqueue(self, item: object) -> None:
+        self._items.append(item)
         self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -93,12 +116,13 @@ class Outbox:
         while True:
             self._wake.wait()
             self._wake.clear()
-            try:
-                for msg in self._drain():
-                    self._tx.send(self._codec.encode(msg))
-            except ChannelClosed as exc:
-                self.failed = exc
-                return
+            with self._send_lock:
+                try:
+                    for msg in self._drain():
+                        self._tx.send(self._encode(msg))
+                except ChannelClosed as exc:
+                    self.failed = exc
+                    return
             if self._closing and not self._items:
                 return
 
@@ -226,8 +250,13 @@ def _open_channel(hello: Hello, out_fd: int) -> Sender:
     if hello.transport == "ring":
         from ..ipc.ring import attach_ring
 
+        if hello.ring is None:
+            raise ValueError("Hello asks for the ring transport but carries no ring spec")
+        tx = attach_ring(hello.ring)
         os.close(out_fd)
-        return attach_ring(hello.ring)
+        # Before the (possibly long) model load, so the name is unlinked at once.
+        tx.send(worker_codec().encode(Attached(os.getpid())))
+        return tx
     return PipeSender(out_fd)
 
 
@@ -249,7 +278,12 @@ def main() -> None:
     except Exception as exc:
         _fatal(PipeSender(out_fd), exc)
         os._exit(2)
-    tx = _open_channel(hello, out_fd)
+    try:
+        tx = _open_channel(hello, out_fd)
+    except Exception as exc:
+        log.error("worker.channel_failed", transport=hello.transport, error=repr(exc))
+        _fatal(PipeSender(out_fd), exc)
+        os._exit(2)
     try:
         import mlx.core as mx
         import mlx_lm

@@ -1,0 +1,73 @@
+"""The worker's Outbox: direct sends when the channel has room, queued and coalesced when not."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from mlxrt.ipc.channel import ChannelClosed
+from mlxrt.ipc.protocol import Done, Stats, Tokens, orchestrator_codec
+from mlxrt.ipc.stdio import PipeReceiver, PipeSender
+from mlxrt.worker.main import Outbox
+
+
+def read_all(rx: PipeReceiver, out: list) -> None:
+    codec = orchestrator_codec()
+    try:
+        while True:
+            out.append(codec.decode(rx.recv(timeout=10)))
+    except ChannelClosed:
+        pass
+
+
+def test_tokens_arrive_in_order_when_the_reader_lags():
+    """With the pipe full, tokens queue, coalesce into fewer frames and arrive whole and in order."""
+    r, w = os.pipe()
+    outbox = Outbox(PipeSender(w))
+    n = 20000
+    for i in range(n):  # nobody reads yet: the 64 KiB pipe fills and the writer thread takes over
+        outbox.token(7, i, "x")
+    outbox.message(Done(id=7, stats=Stats(generation_tokens=n)))
+    frames: list = []
+    reader = threading.Thread(target=read_all, args=(PipeReceiver(r), frames))
+    reader.start()
+    outbox.close()
+    os.close(w)
+    reader.join(30)
+    tokens = [t for f in frames if isinstance(f, Tokens) for t in f.token_ids]
+    assert tokens == list(range(n))
+    assert "".join(f.text for f in frames if isinstance(f, Tokens)) == "x" * n
+    assert isinstance(frames[-1], Done)
+    assert len(frames) < n  # some frames carried several tokens
+
+
+def test_tokens_of_different_requests_are_not_merged():
+    """Coalescing never mixes two requests' tokens in one frame."""
+    r, w = os.pipe()
+    outbox = Outbox(PipeSender(w))
+    for i in range(6000):
+        outbox.token(i % 2, i, "")
+    frames: list = []
+    reader = threading.Thread(target=read_all, args=(PipeReceiver(r), frames))
+    reader.start()
+    outbox.close()
+    os.close(w)
+    reader.join(30)
+    for req in (0, 1):
+        got = [t for f in frames if isinstance(f, Tokens) and f.id == req for t in f.token_ids]
+        assert got == list(range(req, 6000, 2))
+    assert all(all(t % 2 == f.id for t in f.token_ids) for f in frames)
+
+
+def test_pipe_try_send_refuses_instead_of_blocking():
+    """try_send on a full pipe returns False at once and writes nothing partial."""
+    r, w = os.pipe()
+    tx = PipeSender(w)
+    sent = 0
+    while tx.try_send(b"y" * 1000):
+        sent += 1
+    assert sent > 0
+    rx = PipeReceiver(r)
+    assert all(rx.recv(timeout=5) == b"y" * 1000 for _ in range(sent))
+    tx.close()
+    rx.close()
