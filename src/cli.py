@@ -52,6 +52,32 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from .orchestrator.errors import MlxrtError
+    from .orchestrator.http import ServerConfig
+    from .orchestrator.http.server import parse_model_specs, serve
+
+    try:
+        models = parse_model_specs(args.model)
+    except ValueError as exc:
+        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("MLXRT_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+    )
+    try:
+        serve(models, config=config, workers=args.workers, transport=args.transport, log_level=args.log_level)
+    except (MlxrtError, ValueError) as exc:
+        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxrt", description=__doc__)
     parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
@@ -69,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     gen.add_argument("--stats", action="store_true", help="print the request's stats as JSON on stderr")
     gen.set_defaults(func=_cmd_generate)
+
+    from .orchestrator.http.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
+
+    srv = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs (docs/http.md)")
+    srv.add_argument("--model", "-m", action="append", required=True,
+                     help="name=path, or a bare path (named by its directory name); repeat for several")
+    srv.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
+    srv.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}")
+    srv.add_argument("--workers", type=int, default=1, help="worker processes per model")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MLXRT_API_KEY)")
+    srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413")
+    srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
+    srv.set_defaults(func=_cmd_serve)
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
     mk.add_argument("preset", help="tiny, small, qwen2.5-0.5b-4bit, qwen2.5-7b-4bit")

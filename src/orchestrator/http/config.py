@@ -1,0 +1,22 @@
+"""The server's settings, parsed once at the edge (``mlxrt serve``), with their defaults.
+
+Kept free of heavy imports so the CLI can build its parser without loading the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """What `mlxrt serve` was asked for."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None  #: when set, every endpoint but /health needs ``Authorization: Bearer KEY``
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies are refused with 413

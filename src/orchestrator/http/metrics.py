@@ -1,0 +1,91 @@
+"""Prometheus metrics of the HTTP server, in a registry of its own.
+
+prometheus_client rather than a hand-written exposition: histograms (cumulative
+buckets, ``_sum``/``_count``), label escaping and the content type are easy to
+get subtly wrong, and the library is small and pure Python. Nothing here runs
+per token: counters move once per request, worker gauges are read at scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..handle import WorkerInfo
+
+#: Reported even when zero, so the series exist; any other state a worker reports is added.
+WORKER_STATES = ("starting", "ready", "busy", "draining", "dead", "failed", "unloaded", "stopped")
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DECODE_BUCKETS_TPS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
+
+
+class _Workers:
+    """Worker gauges, read from the runtime at each scrape."""
+
+    def __init__(self, workers: Callable[[], list[WorkerInfo]]) -> None:
+        self._workers = workers
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily: the runtime may not be started when this is registered
+
+    def collect(self) -> Iterator[Metric]:
+        workers = self._workers()
+        states = GaugeMetricFamily("mlxrt_workers", "Worker processes by model and state.",
+                                   labels=["model", "state"])
+        counts: dict[tuple[str, str], int] = {}
+        for w in workers:
+            for s in WORKER_STATES:
+                counts.setdefault((w.model, s), 0)
+            counts[(w.model, w.state)] = counts.get((w.model, w.state), 0) + 1
+        for (model, state), n in sorted(counts.items()):
+            states.add_metric([model, state], n)
+        yield states
+        restarts = CounterMetricFamily("mlxrt_worker_restarts", "Times each worker was restarted.",
+                                       labels=["model", "worker"])
+        tokens = CounterMetricFamily("mlxrt_worker_tokens", "Tokens each worker has produced.",
+                                     labels=["model", "worker"])
+        in_flight = GaugeMetricFamily("mlxrt_worker_in_flight", "Requests in flight on each worker.",
+                                      labels=["model", "worker"])
+        for w in workers:
+            restarts.add_metric([w.model, w.name], w.restarts)
+            tokens.add_metric([w.model, w.name], w.tokens)
+            in_flight.add_metric([w.model, w.name], w.in_flight)
+        yield restarts
+        yield tokens
+        yield in_flight
+
+
+class Metrics:
+    """Every series the server exports; `render()` gives the text exposition."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, workers: Callable[[], list[WorkerInfo]]) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mlxrt_http_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.in_progress = Gauge("mlxrt_http_requests_in_progress", "HTTP requests being served.",
+                                 registry=r)
+        self.tokens = Counter("mlxrt_generated_tokens", "Tokens sent to clients.", ["model"], registry=r)
+        self.finished = Counter("mlxrt_generations",
+                                "Generations by how they ended: stop, length, disconnected, error.",
+                                ["model", "reason"], registry=r)
+        self.ttft = Histogram("mlxrt_time_to_first_token_seconds",
+                              "Time from request arrival to the first token, in the server.",
+                              ["model"], buckets=TTFT_BUCKETS_S, registry=r)
+        self.decode_rate = Histogram("mlxrt_decode_tokens_per_second",
+                                     "Decode rate of each generation, as the worker measured it.",
+                                     ["model"], buckets=DECODE_BUCKETS_TPS, registry=r)
+        r.register(_Workers(workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,357 @@
+"""Ollama-compatible endpoints: /api/generate, /api/chat, /api/tags, /api/ps, /api/show, /api/version.
+
+Ollama streams by default: newline-delimited JSON, one object per chunk,
+the last with ``done: true`` and the timings in nanoseconds (prompt eval =
+the worker's time to first token, eval = its decode time, total = the
+request's wall time in this server, load = 0: models are loaded at start-up).
+Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9,
+repeat_penalty 1.1 over the last 64 tokens), not mlxrt's greedy ones.
+
+``keep_alive`` is parsed and validated but not acted on: models stay loaded
+for the server's life until the supervisor can unload them. An explicit
+unload request (no prompt, ``keep_alive: 0``) is answered 501, not faked.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ... import __version__
+from ...ipc.protocol import MAX_REPETITION_CONTEXT
+from ..errors import MlxrtError
+from .app import UNLIMITED_TOKENS, Generation, Service, iso_now, json_response
+from .errors import HttpError, from_runtime_error, ollama_body
+from .schemas import (
+    ENCODER,
+    KeepAlive,
+    OllamaChatChunk,
+    OllamaChatRequest,
+    OllamaChunk,
+    OllamaDetails,
+    OllamaGenerateChunk,
+    OllamaGenerateRequest,
+    OllamaMessageOut,
+    OllamaModel,
+    OllamaOptions,
+    OllamaPs,
+    OllamaRunningModel,
+    OllamaShow,
+    OllamaShowRequest,
+    OllamaTags,
+    OllamaVersion,
+)
+from .streaming import NDJSON_HEADERS, EventStream
+
+#: Ollama's own defaults (api.DefaultOptions), used when a request leaves an option out.
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "repetition_context_size": 64,
+    "min_p": 0.0,
+}
+#: Ollama's names for mlxrt's sampling fields, for error messages.
+OPTION_NAMES = {
+    "max_tokens": "options.num_predict",
+    "temperature": "options.temperature",
+    "top_p": "options.top_p",
+    "top_k": "options.top_k",
+    "min_p": "options.min_p",
+    "repetition_penalty": "options.repeat_penalty",
+    "repetition_context_size": "options.repeat_last_n",
+    "seed": "options.seed",
+    "stop": "options.stop",
+}
+NS_PER_MS = 1_000_000
+
+_generate_decoder = msgspec.json.Decoder(OllamaGenerateRequest)
+_chat_decoder = msgspec.json.Decoder(OllamaChatRequest)
+_show_decoder = msgspec.json.Decoder(OllamaShowRequest)
+
+
+def routes(svc: Service) -> list[Route]:
+    api = OllamaApi(svc)
+    return [
+        Route("/api/generate", api.generate, methods=["POST"]),
+        Route("/api/chat", api.chat, methods=["POST"]),
+        Route("/api/tags", api.tags, methods=["GET"]),
+        Route("/api/ps", api.ps, methods=["GET"]),
+        Route("/api/show", api.show, methods=["POST"]),
+        Route("/api/version", api.version, methods=["GET"]),
+    ]
+
+
+# Go's time.ParseDuration syntax, which Ollama uses for keep_alive strings: "5m", "1h30m", "-1s", "0".
+_DURATION = re.compile(r"[-+]?((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_keep_alive(value: KeepAlive) -> float | None:
+    """Seconds to keep the model loaded (negative: forever, 0: unload now); None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    if text in ("0", "-0", "+0"):
+        return 0.0
+    if not _DURATION.fullmatch(text):
+        raise HttpError(400, f"keep_alive: invalid duration {value!r} (e.g. \"5m\", \"1h30m\", \"-1\", 0)",
+                        param="keep_alive")
+    seconds = sum(float(n) * _UNIT_S[u] for n, u in _PART.findall(text))
+    return -seconds if text.startswith("-") else seconds
+
+
+def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
+    """The runtime's sampling keywords from Ollama `options`, Ollama's defaults filling the gaps."""
+    p = dict(DEFAULT_OPTIONS)
+    p["max_tokens"] = UNLIMITED_TOKENS
+    if options is None:
+        return p
+    o = options
+    for ours, theirs in (("temperature", o.temperature), ("top_p", o.top_p), ("top_k", o.top_k),
+                         ("min_p", o.min_p), ("repetition_penalty", o.repeat_penalty)):
+        if theirs is not None:
+            p[ours] = theirs
+    if o.num_predict is not None and o.num_predict not in (-1, -2):
+        if o.num_predict < 1:
+            raise HttpError(400, f"options.num_predict: must be >= 1, or -1 (no limit) or -2 (fill the "
+                                 f"context); got {o.num_predict}", param="options.num_predict")
+        p["max_tokens"] = o.num_predict
+    if o.seed is not None and o.seed != -1:  # -1: a random seed
+        p["seed"] = o.seed
+    if o.stop is not None:
+        p["stop"] = [o.stop] if isinstance(o.stop, str) else o.stop
+    if o.repeat_last_n is not None:
+        if o.repeat_last_n == 0:  # 0 disables the penalty
+            p.pop("repetition_penalty")
+        else:
+            last_n = MAX_REPETITION_CONTEXT if o.repeat_last_n == -1 else o.repeat_last_n
+            p["repetition_context_size"] = last_n
+    return p
+
+
+def _unsupported(param: str, what: str) -> HttpError:
+    return HttpError(400, f"{param}: {what} is not supported by this server", param=param)
+
+
+def _refuse_common(req: OllamaGenerateRequest | OllamaChatRequest) -> None:
+    if req.format:
+        raise _unsupported("format", "structured output")
+    if req.think:
+        raise _unsupported("think", "thinking")
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs", "returning log probabilities")
+
+
+def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
+    """Raw text with ``raw: true``, else the prompt as a user message under the model's chat template."""
+    _refuse_common(req)
+    if req.images:
+        raise _unsupported("images", "images")
+    if req.suffix:
+        raise _unsupported("suffix", "a suffix (fill-in-the-middle)")
+    if req.template:
+        raise _unsupported("template", "a Go template (the model's own chat template is used)")
+    if req.context:
+        raise _unsupported("context", "resuming from a context")
+    if req.raw:
+        return req.prompt
+    messages = [{"role": "system", "content": req.system}] if req.system else []
+    messages.append({"role": "user", "content": req.prompt})
+    return messages
+
+
+def chat_prompt(req: OllamaChatRequest) -> list[dict[str, str]]:
+    _refuse_common(req)
+    if req.tools:
+        raise _unsupported("tools", "tool calling")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.images:
+            raise _unsupported(f"messages[{i}].images", "images")
+        if m.tool_calls:
+            raise _unsupported(f"messages[{i}].tool_calls", "tool calling")
+        if m.role == "tool":
+            raise _unsupported(f"messages[{i}].role", "the tool role")
+        out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def _timings(chunk: OllamaChunk, gen: Generation) -> None:
+    """Fill the final chunk's fields from the worker's stats."""
+    s = gen.stream.stats
+    chunk.done = True
+    chunk.done_reason = gen.finish_reason
+    chunk.total_duration = int((time.perf_counter() - gen.t0) * 1e9)
+    chunk.load_duration = 0
+    chunk.prompt_eval_count = s.prompt_tokens if s else 0
+    chunk.prompt_eval_duration = int(s.ttft_ms * NS_PER_MS) if s else 0
+    chunk.eval_count = s.generation_tokens if s else gen.tokens
+    chunk.eval_duration = int(s.decode_ms * NS_PER_MS) if s else 0
+
+
+def _line(obj: object) -> bytes:
+    return ENCODER.encode(obj) + b"\n"
+
+
+def _error_line(exc: MlxrtError) -> bytes:
+    return ollama_body(from_runtime_error(exc)) + b"\n"
+
+
+class OllamaApi:
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+
+    async def generate(self, request: Request) -> Response | EventStream:
+        t0 = time.perf_counter()
+        req: OllamaGenerateRequest = await self.svc.read(request, _generate_decoder)
+        model = self.svc.model(req.model, ollama=True)
+        keep_alive = parse_keep_alive(req.keep_alive)
+        prompt = generate_prompt(req)
+        params = ollama_params(req.options)
+        if not req.prompt:
+            return _loaded(req.model, keep_alive, OllamaGenerateChunk(model=req.model, created_at=iso_now(),
+                                                                      response=""))
+        gen = await self.svc.start(request, "/api/generate", prompt, model, params, OPTION_NAMES, t0)
+        chunk = OllamaGenerateChunk(model=req.model, created_at="", response="")
+        if req.stream:
+            return EventStream(generate_events(gen, chunk), headers=NDJSON_HEADERS, on_close=gen.on_close)
+        text, _ = await gen.collect(request.receive)
+        chunk.response = text
+        chunk.created_at = iso_now()
+        _timings(chunk, gen)
+        return json_response(chunk)
+
+    async def chat(self, request: Request) -> Response | EventStream:
+        t0 = time.perf_counter()
+        req: OllamaChatRequest = await self.svc.read(request, _chat_decoder)
+        model = self.svc.model(req.model, ollama=True)
+        keep_alive = parse_keep_alive(req.keep_alive)
+        prompt = chat_prompt(req)
+        params = ollama_params(req.options)
+        if not prompt:
+            message = OllamaMessageOut(content="")
+            return _loaded(req.model, keep_alive,
+                           OllamaChatChunk(model=req.model, created_at=iso_now(), message=message))
+        gen = await self.svc.start(request, "/api/chat", prompt, model, params, OPTION_NAMES, t0)
+        chunk = OllamaChatChunk(model=req.model, created_at="", message=OllamaMessageOut(content=""))
+        if req.stream:
+            return EventStream(chat_events(gen, chunk), headers=NDJSON_HEADERS, on_close=gen.on_close)
+        text, _ = await gen.collect(request.receive)
+        chunk.message.content = text
+        chunk.created_at = iso_now()
+        _timings(chunk, gen)
+        return json_response(chunk)
+
+    async def tags(self, request: Request) -> Response:
+        return json_response(OllamaTags([self._model_entry(name) for name in self.svc.rt.models]))
+
+    async def ps(self, request: Request) -> Response:
+        running = []
+        for name in self.svc.rt.models:
+            m = self._model_entry(name)
+            running.append(OllamaRunningModel(
+                name=m.name, model=m.model, size=m.size, digest=m.digest, details=m.details,
+                expires_at="9999-12-31T23:59:59Z",  # loaded until the server stops
+                size_vram=m.size, context_length=self.svc.facts(name).context_length,
+            ))
+        return json_response(OllamaPs(running))
+
+    async def show(self, request: Request) -> Response:
+        req: OllamaShowRequest = await self.svc.read(request, _show_decoder)
+        name = self.svc.model(req.model or req.name, ollama=True)
+        facts = self.svc.facts(name)
+        info: dict[str, Any] = {"general.architecture": facts.family}
+        if facts.context_length:
+            info[f"{facts.family or 'model'}.context_length"] = facts.context_length
+        if req.verbose:
+            info.update({f"config.{k}": v for k, v in facts.config.items()})
+        return json_response(OllamaShow(details=self._details(name), model_info=info,
+                                        capabilities=["completion"], modified_at=facts.modified_at))
+
+    async def version(self, request: Request) -> Response:
+        return json_response(OllamaVersion(__version__))
+
+    def _details(self, name: str) -> OllamaDetails:
+        facts = self.svc.facts(name)
+        return OllamaDetails(family=facts.family, families=[facts.family] if facts.family else [],
+                             quantization_level=facts.quantization)
+
+    def _model_entry(self, name: str) -> OllamaModel:
+        facts = self.svc.facts(name)
+        return OllamaModel(name=name, model=name, modified_at=facts.modified_at, size=facts.size_bytes,
+                           digest="", details=self._details(name))
+
+
+def _loaded(model: str, keep_alive: float | None, chunk: OllamaChunk) -> Response:
+    """Ollama's "load the model" request (nothing to generate): it is loaded already."""
+    if keep_alive == 0:
+        raise HttpError(501, "keep_alive=0: unloading a model is not implemented yet; "
+                             "models stay loaded until the server stops", param="keep_alive",
+                        code="not_implemented")
+    chunk.done = True
+    chunk.done_reason = "load"
+    return json_response(chunk)
+
+
+
+async def generate_events(gen: Generation, chunk: OllamaGenerateChunk) -> AsyncIterator[bytes]:
+    """NDJSON lines of a streamed /api/generate; the same Struct is re-encoded per chunk."""
+    try:
+        first = gen.first
+        if first is not None:
+            chunk.response = first.text
+            chunk.created_at = iso_now()
+            gen.tokens += len(first.tokens)
+            yield _line(chunk)
+        async for c in gen.stream:
+            chunk.response = c.text
+            chunk.created_at = iso_now()
+            gen.tokens += len(c.tokens)
+            yield _line(chunk)
+    except MlxrtError as exc:
+        yield _error_line(exc)
+        return
+    finally:
+        gen.stream.close()
+    chunk.response = ""
+    chunk.created_at = iso_now()
+    _timings(chunk, gen)
+    yield _line(chunk)
+
+
+async def chat_events(gen: Generation, chunk: OllamaChatChunk) -> AsyncIterator[bytes]:
+    """NDJSON lines of a streamed /api/chat."""
+    message = chunk.message
+    try:
+        first = gen.first
+        if first is not None:
+            message.content = first.text
+            chunk.created_at = iso_now()
+            gen.tokens += len(first.tokens)
+            yield _line(chunk)
+        async for c in gen.stream:
+            message.content = c.text
+            chunk.created_at = iso_now()
+            gen.tokens += len(c.tokens)
+            yield _line(chunk)
+    except MlxrtError as exc:
+        yield _error_line(exc)
+        return
+    finally:
+        gen.stream.close()
+    message.content = ""
+    chunk.created_at = iso_now()
+    _timings(chunk, gen)
+    yield _line(chunk)

@@ -1,0 +1,281 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Streaming is server-sent events, one ``data: {json}`` event per chunk the
+worker sends (a chunk may carry several tokens), then ``data: [DONE]``. The
+chunk Struct is built once per request and mutated per chunk: the hot loop
+allocates the encoded bytes and nothing else it can avoid.
+
+Extensions, spelt as vLLM spells them: ``top_k``, ``min_p``,
+``repetition_penalty``, ``repetition_context_size``, ``ignore_eos``,
+``stop_token_ids``, and ``return_token_ids`` (adds ``token_ids`` to each choice).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..errors import MlxrtError
+from .app import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
+from .errors import HttpError, from_runtime_error, openai_body
+from .schemas import (
+    ENCODER,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    OpenAISampling,
+    Usage,
+)
+from .streaming import SSE_HEADERS, EventStream
+
+#: OpenAI's documented defaults where they differ from mlxrt's.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def routes(svc: Service) -> list[Route]:
+    api = OpenAIApi(svc)
+    return [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
+    ]
+
+
+def _unsupported(param: str, what: str) -> HttpError:
+    return HttpError(400, f"{param}: {what} is not supported by this server", param=param,
+                     code="unsupported_parameter")
+
+
+def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
+    """The runtime's sampling keywords for `req`; refuses what mlxrt cannot honour."""
+    if req.n != 1:
+        raise HttpError(400, f"n: only n=1 is supported (got {req.n})", param="n",
+                        code="unsupported_parameter")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, name):
+            raise _unsupported(name, "a non-zero value (use repetition_penalty)")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "a bias")
+    params: dict[str, Any] = {
+        "max_tokens": default_max if max_tokens is None else max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        "ignore_eos": req.ignore_eos,
+    }
+    for name in ("top_p", "seed", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
+                 "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    return params
+
+
+def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the worker's chat template takes them (text parts only)."""
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs", "returning log probabilities")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise _unsupported("response_format", f"type {req.response_format.type!r}")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if content is None:
+            raise HttpError(400, f"messages[{i}].content: required", param=f"messages[{i}].content")
+        if not isinstance(content, str):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise _unsupported(f"messages[{i}].content[{j}]", f"a content part of type {part.type!r}")
+            content = "\n".join(p.text for p in content)  # type: ignore[misc]
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """Text or token ids; a batch of one is unwrapped, larger batches are refused."""
+    if req.echo:
+        raise _unsupported("echo", "echoing the prompt")
+    if req.best_of not in (None, 1):
+        raise _unsupported("best_of", "best_of > 1")
+    if req.logprobs:
+        raise _unsupported("logprobs", "returning log probabilities")
+    if req.suffix:
+        raise _unsupported("suffix", "a suffix")
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if all(type(t) is int for t in prompt):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]  # type: ignore[return-value]
+    raise HttpError(400, "prompt: expected a string, a list of token ids, or a batch of exactly one "
+                         "(send one prompt per request)", param="prompt")
+
+
+def usage_of(gen: Generation) -> Usage:
+    return Usage(gen.prompt_tokens, gen.tokens, gen.prompt_tokens + gen.tokens)
+
+
+def _error_event(exc: MlxrtError) -> bytes:
+    return b"data: " + openai_body(from_runtime_error(exc)) + b"\n\n"
+
+
+class OpenAIApi:
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+
+    async def list_models(self, request: Request) -> Response:
+        cards = [ModelCard(id=name, created=self.svc.created) for name in self.svc.rt.models]
+        return json_response(ModelList(data=cards))
+
+    async def get_model(self, request: Request) -> Response:
+        name = self.svc.model(request.path_params["model"])
+        return json_response(ModelCard(id=name, created=self.svc.created))
+
+    async def chat(self, request: Request) -> Response | EventStream:
+        t0 = time.perf_counter()
+        req: ChatCompletionRequest = await self.svc.read(request, _chat_decoder)
+        model = self.svc.model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_params(req, max_tokens, UNLIMITED_TOKENS)
+        names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
+                 else "max_tokens"}
+        prompt = chat_prompt(req)
+        gen = await self.svc.start(request, "/v1/chat/completions", prompt, model, params, names, t0)
+        rid, created = new_id("chatcmpl"), int(time.time())
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            events = chat_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids)
+            return EventStream(events, headers=SSE_HEADERS, on_close=gen.on_close)
+        text, ids = await gen.collect(request.receive)
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)
+        if req.return_token_ids:
+            choice.token_ids = ids
+        return json_response(ChatCompletion(id=rid, created=created, model=req.model, choices=[choice],
+                                            usage=usage_of(gen)))
+
+    async def completions(self, request: Request) -> Response | EventStream:
+        t0 = time.perf_counter()
+        req: CompletionRequest = await self.svc.read(request, _completion_decoder)
+        model = self.svc.model(req.model)
+        params = sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        gen = await self.svc.start(request, "/v1/completions", completion_prompt(req), model, params, {}, t0)
+        rid, created = new_id("cmpl"), int(time.time())
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            events = completion_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids)
+            return EventStream(events, headers=SSE_HEADERS, on_close=gen.on_close)
+        text, ids = await gen.collect(request.receive)
+        choice = CompletionChoice(text=text, finish_reason=gen.finish_reason)
+        if req.return_token_ids:
+            choice.token_ids = ids
+        return json_response(Completion(id=rid, created=created, model=req.model, choices=[choice],
+                                        usage=usage_of(gen)))
+
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + ENCODER.encode(obj) + b"\n\n"
+
+
+async def completion_events(
+    gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool
+) -> AsyncIterator[bytes]:
+    """SSE events of a streamed /v1/completions; the same Struct is re-encoded per chunk."""
+    choice = CompletionChoice(text="")
+    chunk = Completion(id=rid, created=created, model=gen.model, choices=[choice],
+                       usage=None if usage else msgspec.UNSET)
+    try:
+        first = gen.first
+        if first is not None:
+            choice.text = first.text
+            if token_ids:
+                choice.token_ids = first.tokens
+            gen.tokens += len(first.tokens)
+            yield _sse(chunk)
+        async for c in gen.stream:
+            choice.text = c.text
+            if token_ids:
+                choice.token_ids = c.tokens
+            gen.tokens += len(c.tokens)
+            yield _sse(chunk)
+    except MlxrtError as exc:
+        yield _error_event(exc)
+        return
+    finally:
+        gen.stream.close()
+    choice.text = ""
+    choice.finish_reason = gen.finish_reason
+    if token_ids:
+        choice.token_ids = []
+    yield _sse(chunk)
+    if usage:
+        chunk.choices = []
+        chunk.usage = usage_of(gen)
+        yield _sse(chunk)
+    yield _DONE
+
+
+async def chat_events(
+    gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool
+) -> AsyncIterator[bytes]:
+    """SSE events of a streamed /v1/chat/completions: role first, then content deltas."""
+    delta = Delta(role="assistant", content="")
+    choice = ChatChunkChoice(delta=delta)
+    chunk = ChatCompletionChunk(id=rid, created=created, model=gen.model, choices=[choice],
+                                usage=None if usage else msgspec.UNSET)
+    try:
+        if token_ids:
+            choice.token_ids = []
+        yield _sse(chunk)
+        delta.role = None
+        first = gen.first
+        if first is not None:
+            delta.content = first.text
+            if token_ids:
+                choice.token_ids = first.tokens
+            gen.tokens += len(first.tokens)
+            yield _sse(chunk)
+        async for c in gen.stream:
+            delta.content = c.text
+            if token_ids:
+                choice.token_ids = c.tokens
+            gen.tokens += len(c.tokens)
+            yield _sse(chunk)
+    except MlxrtError as exc:
+        yield _error_event(exc)
+        return
+    finally:
+        gen.stream.close()
+    delta.content = None
+    choice.finish_reason = gen.finish_reason
+    if token_ids:
+        choice.token_ids = []
+    yield _sse(chunk)
+    if usage:
+        chunk.choices = []
+        chunk.usage = usage_of(gen)
+        yield _sse(chunk)
+    yield _DONE

@@ -1,0 +1,628 @@
+"""The HTTP server end to end: real uvicorn on loopback over real workers on the tiny model,
+driven by the official openai and ollama clients and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import ollama
+import openai
+import pytest
+import uvicorn
+from conftest import assert_stopped
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from mlx_lm import stream_generate
+from mlxrt import AsyncRuntime, Timeouts
+from mlxrt.orchestrator.http import ServerConfig
+from mlxrt.orchestrator.http.app import create_app
+from mlxrt.orchestrator.http.ollama import parse_keep_alive
+from mlxrt.orchestrator.http.server import parse_model_specs
+
+try:  # the supervisor restarts dead workers; the 503 case needs it not to
+    from mlxrt.orchestrator.config import Supervision
+
+    NO_RESTART: dict = {"supervision": Supervision(restart=False)}
+except ImportError:  # before the supervisor: dead workers stay dead
+    NO_RESTART = {}
+
+PROMPT_IDS = [5, 17, 42, 99, 3, 250]
+CHAT = [{"role": "user", "content": "Tell me about the weather."}]
+OK_STATUSES = {200, 400, 404, 413, 501}
+FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
+
+
+class ServerThread:
+    """An `AsyncRuntime` and uvicorn servers over it, on an event loop in a thread of this process."""
+
+    def __init__(self, models: dict[str, str], **runtime_kw) -> None:
+        self.models = models
+        self.runtime_kw = {"transport": "stdio", **runtime_kw}
+        self.rt: AsyncRuntime | None = None
+        self.servers: list[uvicorn.Server] = []
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, name="http-test-server", daemon=True)
+
+    def start(self, config: ServerConfig | None = None) -> str:
+        self._thread.start()
+        if not self._ready.wait(120) or self._error is not None:
+            raise RuntimeError(f"server did not start: {self._error!r}")
+        return self.serve(config or ServerConfig())
+
+    def serve(self, config: ServerConfig) -> str:
+        """Start one more server (its own config) over the same runtime; return its base URL."""
+        fut = asyncio.run_coroutine_threadsafe(self._serve(config), self._loop)
+        return fut.result(30)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.should_exit = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "server thread did not stop"
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.rt.workers]
+
+    def _main(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stopping = asyncio.Event()
+            try:
+                self.rt = await AsyncRuntime(models=self.models, **self.runtime_kw).start()
+            except BaseException as exc:
+                self._error = exc
+                self._ready.set()
+                return
+            self._ready.set()
+            try:
+                await self._stopping.wait()
+                await asyncio.gather(*self._tasks)
+            finally:
+                await self.rt.close()
+
+        self._tasks: list[asyncio.Task] = []
+        asyncio.run(main())
+
+    async def _serve(self, config: ServerConfig) -> str:
+        app = create_app(self.rt, config, model_refs=self.models)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                               lifespan="off", access_log=False,
+                                               timeout_graceful_shutdown=2))
+        self.servers.append(server)
+        self._tasks.append(asyncio.ensure_future(server.serve()))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model):
+    """One server on the tiny model (named "tiny") for this module's tests."""
+    s = ServerThread({"tiny": tiny_model})
+    s.url = s.start()
+    pids = s.pids
+    yield s
+    s.stop()
+    assert_stopped(pids)
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    """Raw HTTP to the module's server."""
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    """The official openai client, pointed at the module's server."""
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oll(srv):
+    """The official ollama client, pointed at the module's server."""
+    with ollama.Client(host=srv.url) as client:
+        yield client
+
+
+def native_tokens(reference, prompt, max_tokens: int) -> list[int]:
+    """What in-process mlx-lm generates greedily for `prompt`, EOS ignored."""
+    model, tokenizer = reference
+    saved = tokenizer.eos_token_ids
+    tokenizer.eos_token_ids = set()
+    try:
+        return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
+    finally:
+        tokenizer.eos_token_ids = saved
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """The ``data:`` payloads of an SSE response, decoded; ``[DONE]`` kept as the string."""
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def metric(http: httpx.Client, name: str, **labels: str) -> float:
+    """One sample of /metrics (0 if absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    for line in http.get("/metrics").text.splitlines():
+        if not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            if key == want or (labels and _same_sample(key, name, labels)):
+                return float(value)
+    return 0.0
+
+
+def _same_sample(key: str, name: str, labels: dict[str, str]) -> bool:
+    if not key.startswith(name + "{"):
+        return False
+    pairs = dict(p.split("=", 1) for p in key[len(name) + 1 : -1].split(","))
+    return {k: v.strip('"') for k, v in pairs.items()} == labels
+
+
+# ---- OpenAI ----------------------------------------------------------------
+
+
+def test_openai_completion_token_ids_match_native(http, reference):
+    """Streamed /v1/completions with an id prompt returns mlx-lm's greedy ids in the token_ids extension."""
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert ids == native_tokens(reference, PROMPT_IDS, 24)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    full = http.post("/v1/completions", json={**body, "stream": False}).json()
+    assert full["choices"][0]["text"] == "".join(c["choices"][0]["text"] for c in chunks)
+    assert full["choices"][0]["token_ids"] == ids
+    assert full["usage"] == {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 24, "total_tokens": 30}
+
+
+def test_openai_client_chat_stream_equals_non_stream(oai):
+    """The openai client's streamed chat deltas add up to the non-streamed message; usage comes last."""
+    kw = dict(model="tiny", messages=CHAT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    full = oai.chat.completions.create(**kw)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 20 and full.usage.prompt_tokens > 0
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_openai_client_completions_stop_and_seed(oai):
+    """A stop string cuts the text (finish_reason stop); the same seed samples the same text."""
+    kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=30, extra_body={"ignore_eos": True})
+    full = oai.completions.create(**kw, temperature=0).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    cut = oai.completions.create(**kw, temperature=0, stop=[stop]).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+    a = oai.completions.create(**kw, temperature=1.0, top_p=0.9, seed=7).choices[0].text
+    b = oai.completions.create(**kw, temperature=1.0, top_p=0.9, seed=7).choices[0].text
+    assert a == b
+
+
+def test_openai_client_lists_models(oai):
+    """/v1/models lists the served model names; /v1/models/{name} retrieves one."""
+    assert [m.id for m in oai.models.list()] == ["tiny"]
+    assert oai.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("nope")
+
+
+# ---- Ollama ----------------------------------------------------------------
+
+
+def test_ollama_client_generate_stream_and_timings(oll):
+    """Ollama streaming ends with done, done_reason and nanosecond timings; it equals stream=False."""
+    opts = {"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0}
+    parts = list(oll.generate(model="tiny", prompt="Why is the sky blue?", options=opts, stream=True))
+    final = parts[-1]
+    assert final.done and not any(p.done for p in parts[:-1])
+    assert final.done_reason in ("length", "stop")
+    assert final.prompt_eval_count > 0 and final.eval_count <= 12
+    assert final.total_duration >= final.prompt_eval_duration > 0 and final.eval_duration >= 0
+    assert final.load_duration == 0
+    whole = oll.generate(model="tiny:latest", prompt="Why is the sky blue?", options=opts, stream=False)
+    assert whole.response == "".join(p.response for p in parts)
+    assert whole.done and whole.eval_count == final.eval_count
+
+
+def test_ollama_client_chat(oll):
+    """/api/chat streams message deltas (NDJSON) and answers stream=False with the same message."""
+    opts = {"temperature": 0, "num_predict": 10, "repeat_last_n": 0}
+    parts = list(oll.chat(model="tiny", messages=CHAT, options=opts, stream=True))
+    assert parts[-1].done and parts[-1].message.role == "assistant"
+    whole = oll.chat(model="tiny", messages=CHAT, options=opts)
+    assert whole.message.content == "".join(p.message.content for p in parts)
+    assert whole.eval_count == parts[-1].eval_count
+
+
+def test_ollama_raw_ndjson_lines(http):
+    """Raw /api/generate streams one JSON object per line by default (Ollama streams unless told not to)."""
+    body = {"model": "tiny", "prompt": "Hi", "raw": True, "options": {"num_predict": 5, "temperature": 0}}
+    with http.stream("POST", "/api/generate", json=body) as r:
+        assert r.headers["content-type"] == "application/x-ndjson"
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert lines[-1]["done"] is True and all(x["done"] is False for x in lines[:-1])
+    timings = ("total_duration", "prompt_eval_duration", "eval_duration")
+    assert all(isinstance(lines[-1][k], int) for k in timings)
+
+
+def test_ollama_tags_ps_show_version(oll, http):
+    """The model-listing endpoints describe the served model; the client parses every one."""
+    assert [m.model for m in oll.list().models] == ["tiny"]
+    ps = oll.ps().models[0]
+    assert ps.name == "tiny" and ps.context_length == 512
+    show = oll.show("tiny")
+    assert show.modelinfo["general.architecture"] == show.details.family and "completion" in show.capabilities
+    assert http.get("/api/version").json()["version"]
+
+
+def test_ollama_keep_alive_is_validated_and_unload_is_refused(http):
+    """keep_alive durations are accepted, garbage is 400, and an explicit unload says it is unimplemented."""
+    gen = {"model": "tiny", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}
+    for value in ("5m", "1h30m", -1, 300, "0", 0):
+        assert http.post("/api/generate", json={**gen, "keep_alive": value}).status_code == 200, value
+    bad = http.post("/api/generate", json={**gen, "keep_alive": "soon"})
+    assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+    load = http.post("/api/generate", json={"model": "tiny"}).json()
+    assert load["done"] is True and load["done_reason"] == "load"
+    unload = http.post("/api/chat", json={"model": "tiny", "messages": [], "keep_alive": 0})
+    assert unload.status_code == 501 and "not implemented" in unload.json()["error"]
+    assert parse_keep_alive("1m30s") == 90.0 and parse_keep_alive("-1m") == -60.0
+
+
+# ---- health, metrics, auth --------------------------------------------------
+
+
+def test_health_and_metrics(http):
+    """/health is 200 with each worker's state; /metrics has request, token, latency and worker series."""
+    http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    h = http.get("/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    (w,) = h.json()["models"]["tiny"]["workers"]
+    assert w["state"] == "ready" and w["pid"] > 0
+    text = http.get("/metrics").text
+    for series in ("mlxrt_http_requests_total", "mlxrt_generated_tokens_total",
+                   "mlxrt_time_to_first_token_seconds_bucket", "mlxrt_decode_tokens_per_second_bucket",
+                   'mlxrt_workers{model="tiny",state="ready"} 1.0', "mlxrt_worker_restarts_total"):
+        assert series in text
+    assert metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200") >= 1
+
+
+def test_api_key_is_required_when_configured(srv):
+    """With an API key every endpoint but /health needs 'Authorization: Bearer KEY': 401 otherwise."""
+    url = srv.serve(ServerConfig(api_key="s3cret"))
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    wrong = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/api/tags").json() == {"error": "missing or wrong API key: send "
+                                                            "'Authorization: Bearer <key>'"}
+    assert httpx.get(url + "/health").status_code == 200
+    with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0) as client:
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+    with openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+
+
+# ---- bad input ----------------------------------------------------------------
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, "malformed JSON"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [], "max_tokens": 2}', 400, "messages"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user"}]}', 400, "content"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400,
+     "role"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}',
+     400, "n"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temprature": 0.5}', 400, "temprature"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 99999999]}', 400, "prompt_ids"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 1e400}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": 99999999999999999999999}', 400, "seed"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400, "prompt"),
+    ("/v1/completions", b'[1, 2]', 400, "object"),
+    ("/v1/completions", b'', 400, "empty"),
+    ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "gpt-4"),
+    ("/api/generate", b'{"model": "llama3", "prompt": "x"}', 404, "llama3"),
+    ("/api/generate", b'{"model": "tiny", "prompt": "x", "options": {"temperature": "hot"}}', 400,
+     "options.temperature"),
+    ("/api/generate", b'{"model": "tiny", "prompt": "x", "options": {"mirostat": 2}}', 400, "mirostat"),
+    ("/api/generate", b'{"model": "tiny", "prompt": "x", "options": {"repeat_last_n": 5000}}', 400,
+     "options.repeat_last_n"),
+    ("/api/generate", b'{"model": "tiny", "prompt": "x", "options": {"num_predict": -7}}', 400,
+     "options.num_predict"),
+    ("/api/generate", b'{"model": "tiny", "prompt": "x", "images": ["aGk="]}', 400, "images"),
+    ("/api/chat", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
+    ("/api/chat", b'{"model": "tiny", "messages": [{"role": "user", "content": 3}]}', 400, "content"),
+    ("/api/chat", b'not json', 400, "malformed JSON"),
+    ("/api/show", b'{"model": "nope"}', 404, "nope"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, names", BAD, ids=[f"{p}-{n}" for p, _, _, n in BAD])
+def test_bad_input_is_a_4xx_naming_the_field(http, path, body, status, names):
+    """Client mistakes get a 4xx in the endpoint's error shape, and the message names the field."""
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    message = err if path.startswith("/api/") else err["message"]
+    assert names in message
+    if not path.startswith("/api/"):
+        assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_unknown_endpoint_and_method(http):
+    """An unknown path is 404 and a wrong method 405, both as JSON errors."""
+    assert http.get("/v2/everything").status_code == 404
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "tiny", "max_tokens": 2}),
+    ("/api/generate", {"model": "tiny", "raw": True, "stream": False}),
+])
+def test_prompt_beyond_context_is_400(http, path, body):
+    """A prompt longer than the model's context is a 400 (not a broken stream), streamed or not."""
+    prompt = [10 + i % 50 for i in range(600)] if path.startswith("/v1") else "word " * 600
+    for stream in (False, True):
+        r = http.post(path, json={**body, "prompt": prompt, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert "context" in r.text
+
+
+def test_oversized_body_is_413(http):
+    """A body over the limit (8 MiB by default) is refused with 413, declared or chunked."""
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    r = http.post("/v1/completions", content=big)
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    assert http.post("/api/generate", content=chunks()).status_code == 413
+    assert http.get("/health").status_code == 200
+
+
+# ---- cancellation, worker death, timeouts -------------------------------------
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True,
+                         "stream": True}),
+    ("/api/generate", {"model": "tiny", "prompt": "Hi", "raw": True,
+                       "options": {"num_predict": 500, "temperature": 0}}),
+])
+def test_client_disconnect_cancels_generation(srv, http, path, body):
+    """Hanging up mid-stream stops the worker: it produces far fewer than max_tokens tokens."""
+    gone = metric(http, "mlxrt_generations_total", model="tiny", reason="disconnected")
+    before = srv.rt.workers[0].tokens
+    with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    deadline = time.monotonic() + 20
+    while srv.rt.workers[0].in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.rt.workers[0].in_flight == 0
+    assert srv.rt.workers[0].tokens - before < 250
+    assert metric(http, "mlxrt_generations_total", model="tiny", reason="disconnected") == gone + 1
+
+
+def test_worker_death_mid_stream_then_503(tiny_model):
+    """A worker killed mid-stream ends the stream with an error event; with no worker left it is 503."""
+    s = ServerThread({"a": tiny_model, "b": tiny_model}, **NO_RESTART)
+    url = s.start()
+    pids = s.pids
+    try:
+        by_model = {w.model: w.pid for w in s.rt.workers}
+        with httpx.Client(base_url=url, timeout=30) as c:
+            body = {"model": "a", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(by_model["a"], signal.SIGKILL)
+                events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
+            assert "error" in events[-1] and "worker" in events[-1]["error"]["message"]
+            assert events[-1]["error"]["code"] == "worker_unavailable"
+            body = {"model": "b", "prompt": "Hi", "raw": True, "options": {"num_predict": 500}}
+            with c.stream("POST", "/api/generate", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(by_model["b"], signal.SIGKILL)
+                last = json.loads([x for x in lines if x][-1])
+            assert "worker" in last["error"]
+            after = c.post("/v1/completions", json={"model": "a", "prompt": "Hi", "max_tokens": 2})
+            assert after.status_code == 503 and "no worker can serve" in after.json()["error"]["message"]
+            assert c.post("/api/generate", json={"model": "b", "prompt": "Hi"}).status_code == 503
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    finally:
+        s.stop()
+    assert_stopped(pids)
+
+
+def test_worker_timeout_is_504(tiny_model, monkeypatch):
+    """A worker that never answers within MLXRT_TOKEN_TIMEOUT_S gives 504 naming the setting."""
+    monkeypatch.setenv("FAKE_MODE", "silent")
+    s = ServerThread({"tiny": tiny_model}, timeouts=Timeouts(token_s=0.5), _worker_argv=FAKE_WORKER)
+    url = s.start()
+    pids = s.pids
+    try:
+        r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "Hi"}, timeout=30)
+        assert r.status_code == 504 and "MLXRT_TOKEN_TIMEOUT_S" in r.json()["error"]
+    finally:
+        s.stop()
+    assert_stopped(pids)
+
+
+# ---- the CLI ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_cli_serve_runs_and_stops_cleanly(tiny_model):
+    """`mlxrt serve` serves the Ollama client, then stops itself and its worker on SIGTERM."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "serve", "--model", f"tiny={tiny_model}",
+                             "--port", str(port), "--transport", "stdio"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(url + "/health").json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        else:
+            why = proc.stderr.read().decode() if proc.poll() is not None else "timeout"
+            pytest.fail(f"server did not come up: {why}")
+        pids = [w["pid"] for w in health["models"]["tiny"]["workers"]]
+        with ollama.Client(host=url) as client:
+            assert client.generate(model="tiny", prompt="Hi", options={"num_predict": 3}).done
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert b"listening on" in proc.stderr.read()
+        assert_stopped(pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+def test_cli_serve_reports_a_missing_model():
+    """A model that cannot be found ends `mlxrt serve` with status 1 and a message, before binding."""
+    r = subprocess.run([sys.executable, "-m", "mlxrt", "serve", "--model", "/no/such/model"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 1 and b"does not exist" in r.stderr
+
+
+def test_model_specs_are_named():
+    """`--model name=path` names it; a bare path is named by its directory; refs by themselves."""
+    assert parse_model_specs(["a=/m/x", "/models/Qwen-0.5B/", "synthetic:tiny", "org/model"]) == {
+        "a": "/m/x", "Qwen-0.5B": "/models/Qwen-0.5B/", "synthetic:tiny": "synthetic:tiny",
+        "org/model": "org/model"}
+    with pytest.raises(ValueError, match="twice"):
+        parse_model_specs(["x=/a", "x=/b"])
+
+
+# ---- fuzz ------------------------------------------------------------------------
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+_role = st.sampled_from(["user", "user", "user", "system", "assistant", "bot"])
+_msgs = st.lists(st.fixed_dictionaries({"role": _role, "content": st.text(max_size=16)}),
+                 min_size=1, max_size=3) | st.just([])
+# Mostly valid values with the edges just outside; `request_bodies` adds wild JSON on top.
+_sampling = {
+    "temperature": st.floats(0, 2) | st.just(-1.0), "top_p": st.floats(0.01, 1) | st.just(0.0),
+    "seed": st.integers(0, 2**63 - 1) | st.integers(-5, -1) | st.just(2**64),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
+    "stream": st.booleans(), "top_k": st.integers(-1, 100), "min_p": st.floats(0, 0.5) | st.just(1.5),
+}
+FIELDS = {
+    "/v1/chat/completions": {"model": st.just("tiny"), "messages": _msgs, "max_tokens": st.integers(-1, 4),
+                             "n": st.just(1) | st.integers(0, 2),
+                             "stream_options": st.just({"include_usage": True}), **_sampling},
+    "/v1/completions": {"model": st.just("tiny"), "max_tokens": st.integers(-1, 4),
+                        "prompt": st.text(max_size=16) | st.lists(st.integers(-2, 3000), max_size=6),
+                        "ignore_eos": st.booleans(), "return_token_ids": st.booleans(), **_sampling},
+    "/api/generate": {"model": st.sampled_from(["tiny", "tiny:latest"]), "prompt": st.text(max_size=16),
+                      "raw": st.booleans(), "stream": st.booleans(), "system": st.text(max_size=8),
+                      "keep_alive": st.one_of(st.text(max_size=4), st.integers(-2, 2)),
+                      "options": st.fixed_dictionaries({"num_predict": st.integers(-3, 4)},
+                                                       optional={k: v for k, v in _sampling.items()
+                                                                 if k != "stream"})},
+    "/api/chat": {"model": st.just("tiny"), "messages": _msgs, "stream": st.booleans(),
+                  "options": st.fixed_dictionaries({"num_predict": st.integers(-3, 4)},
+                                                   optional={"temperature": st.floats(-1, 3)})},
+    "/api/show": {"model": st.sampled_from(["tiny", "x"]), "verbose": st.booleans()},
+}
+
+
+REQUIRED = {"model", "messages", "prompt"}
+
+
+@st.composite
+def request_bodies(draw):
+    """A body for a random endpoint: mostly plausible fields, some wild values, unknown keys, garbage."""
+    path = draw(st.sampled_from(sorted(FIELDS)))
+    if draw(st.integers(0, 9)) == 0:
+        return path, draw(st.binary(max_size=40))
+    body = {}
+    for name, valid in FIELDS[path].items():
+        if name in REQUIRED or draw(st.integers(0, 2)) == 0:
+            body[name] = draw(valid if draw(st.integers(0, 9)) else _json)
+    if draw(st.integers(0, 7)) == 0:
+        body[draw(st.text(min_size=1, max_size=8))] = draw(_json)
+    # Keep generations short: an unbounded one would run to the end of the context.
+    if path.startswith("/v1"):
+        body.setdefault("max_tokens", 4)
+    elif path != "/api/show" and not isinstance(body.get("options"), dict):
+        body["options"] = {"num_predict": 4}
+    return path, msgspec.json.encode(body)
+
+
+@settings(max_examples=80, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=request_bodies())
+def test_fuzzed_bodies_never_500_or_hang(http, case):
+    """Random and mutated request bodies get 200 or a 4xx/501 with a JSON body: no 500, crash or hang."""
+    path, body = case
+    with http.stream("POST", path, content=body, headers={"content-type": "application/json"}) as r:
+        raw = r.read()
+    event(f"{path} {r.status_code}")  # --hypothesis-show-statistics shows how many got through
+    assert r.status_code in OK_STATUSES, (r.status_code, raw[:500])
+    if r.headers["content-type"].startswith("text/event-stream"):
+        assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+    else:
+        for line in raw.splitlines():
+            if line:
+                json.loads(line)
+    assert http.get("/health").status_code == 200
