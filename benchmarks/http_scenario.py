@@ -1,0 +1,243 @@
+"""Streaming over HTTP: ``mlxrt serve`` and, for comparison, mlx-lm's own ``mlx_lm.server``.
+
+Both start a server subprocess on a free loopback port in ``setup()``, stream
+greedy completions from ``/v1/completions`` in ``run()`` and are timed by the
+same clock (`benchmarks.measure`) as every other scenario. The client is the
+same on both sides: stdlib ``http.client`` on loopback, one connection per
+request (as `benchmarks.peers` does), each SSE event parsed with msgspec.
+
+- `HttpStream` sends the prompt as token ids with ``ignore_eos`` and reads the
+  ids back from each chunk's ``token_ids`` (``return_token_ids``, mlxrt's
+  extension): its tokens are checked against native like any scenario.
+- `MlxLmServer` cannot take ids or return them: the prompt is sent as the
+  decoded text (mlx-lm re-tokenises it) and each chunk that carries text
+  counts as one token (mlx-lm writes one event per generated token, skipping
+  tokens whose text is still incomplete); the shortfall against the final
+  ``usage.completion_tokens`` is taken as the count (`Arrivals.run`'s
+  ``n_tokens``), so the count is exact; only the arrival times of the skipped
+  tokens are unknown.
+  Its token list is ``[-1] * n``: ``token_checked = False``. EOS is disabled
+  the way `Native` does it, by clearing the tokenizer's EOS ids after load.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .measure import Arrivals, Run, time_stream
+from .scenarios import Skipped
+
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+HTTP_TIMEOUT_S = 600.0
+MODEL_NAME = "bench"
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+    token_ids: list[int] = []
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sse(port: int, path: str, body: dict[str, Any]) -> Iterator[_Chunk]:
+    """POST `body` on a fresh connection; yield each decoded ``data:`` event up to ``[DONE]``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+    try:
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        while line := resp.readline():
+            if not line.startswith(b"data: "):
+                continue
+            if line.startswith(b"data: [DONE]"):
+                return
+            chunk = _decode_chunk(line[6:])
+            if chunk.error is not None:
+                raise RuntimeError(f"server error mid-stream: {chunk.error}")
+            yield chunk
+    finally:
+        conn.close()
+
+
+def _healthy(port: int, path: str) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+class _ServerProcess:
+    """A server subprocess on a free port, ready when ``health_path`` answers 200."""
+
+    health_path = "/health"
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    def _start(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _healthy(self.port, self.health_path):
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")[-2000:]
+                self.close()
+                raise Skipped(f"server exited with {self.proc.returncode}: {err}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise Skipped(f"server not ready within {READY_TIMEOUT_S:g} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+class HttpStream(_ServerProcess):
+    """``mlxrt serve`` (one worker), streaming /v1/completions with token ids in and out."""
+
+    name = "mlxrt-http"
+    token_checked = True
+
+    def __init__(self, model_path: str, transport: str = "auto") -> None:
+        super().__init__()
+        self.model_path = model_path
+        self.transport = transport
+
+    def setup(self) -> None:
+        self.port = _free_port()
+        self._start(
+            [
+                sys.executable,
+                "-m",
+                "mlxrt",
+                "serve",
+                "--model",
+                f"{MODEL_NAME}={self.model_path}",
+                "--port",
+                str(self.port),
+                "--transport",
+                self.transport,
+            ]
+        )
+
+    def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": prompt_ids,
+            "max_tokens": gen_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        start = time.perf_counter()
+        events = _sse(self.port, "/v1/completions", body)
+        return time_stream(
+            start, (c.choices[0].token_ids for c in events if c.choices), prompt_tokens=len(prompt_ids)
+        )
+
+
+class MlxLmServer(_ServerProcess):
+    """mlx-lm's own HTTP server on the same model: same engine, its own HTTP stack."""
+
+    name = "mlx_lm.server"
+    token_checked = False
+
+    # Runs mlx_lm.server with EOS disabled after load, as `Native` does in-process.
+    LAUNCHER = (
+        "import sys, mlx_lm.server as s\n"
+        "_load = s.load\n"
+        "def load(*a, **k):\n"
+        "    out = _load(*a, **k)\n"
+        "    out[1].eos_token_ids = set()\n"
+        "    return out\n"
+        "s.load = load\n"
+        "sys.argv[0] = 'mlx_lm.server'\n"
+        "s.main()\n"
+    )
+
+    def __init__(self, model_path: str) -> None:
+        super().__init__()
+        self.model_path = model_path
+        self.tokenizer = None
+
+    def setup(self) -> None:
+        try:
+            import mlx_lm.server  # noqa: F401
+        except ImportError as exc:
+            raise Skipped(f"mlx_lm.server unavailable: {exc}") from None
+        from mlx_lm.utils import load_tokenizer
+
+        self.tokenizer = load_tokenizer(Path(self.model_path))
+        self.port = _free_port()
+        self._start(
+            [sys.executable, "-c", self.LAUNCHER, "--model", self.model_path, "--port", str(self.port)]
+        )
+
+    def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
+        body = {
+            "model": "default_model",
+            "prompt": self.tokenizer.decode(prompt_ids),
+            "max_tokens": gen_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = time.perf_counter()
+        arr = Arrivals(start)
+        usage = _Usage()
+        for c in _sse(self.port, "/v1/completions", body):
+            if c.usage is not None:
+                usage = c.usage
+            elif c.choices and c.choices[0].text:
+                arr.add(count=1)  # one event per token that has text
+        n = usage.completion_tokens or arr.n
+        return arr.run(prompt_tokens=usage.prompt_tokens, n_tokens=n, tokens=[-1] * n)
