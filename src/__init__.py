@@ -6,17 +6,19 @@
 """
 
 from .ipc.protocol import SamplingParams, Stats
-from .orchestrator.config import Timeouts
+from .orchestrator.config import Supervision, Timeouts
 from .orchestrator.errors import (
     ChannelError,
+    MemoryPressureError,
     MlxrtError,
     MlxrtTimeout,
+    ModelFailedError,
     ModelLoadError,
     ModelNotFoundError,
     RequestError,
     WorkerDied,
 )
-from .orchestrator.handle import WorkerInfo
+from .orchestrator.handle import WorkerInfo, WorkerMemory
 from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, Runtime, Stream
 
 __version__ = "0.1.0"
@@ -25,10 +27,12 @@ __all__ = [
     "AsyncRuntime",
     "AsyncStream",
     "ChannelError",
+    "MemoryPressureError",
     "Chunk",
     "Completion",
     "MlxrtError",
     "MlxrtTimeout",
+    "ModelFailedError",
     "ModelLoadError",
     "ModelNotFoundError",
     "RequestError",
@@ -36,7 +40,9 @@ __all__ = [
     "SamplingParams",
     "Stats",
     "Stream",
+    "Supervision",
     "Timeouts",
     "WorkerDied",
     "WorkerInfo",
+    "WorkerMemory",
 ]

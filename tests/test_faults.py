@@ -13,9 +13,11 @@ from conftest import TRANSPORTS
 from mlxrt import (
     ChannelError,
     MlxrtTimeout,
+    ModelFailedError,
     ModelLoadError,
     ModelNotFoundError,
     Runtime,
+    Supervision,
     Timeouts,
     WorkerDied,
 )
@@ -84,11 +86,12 @@ def test_unknown_synthetic_preset_is_a_clear_error():
 def test_malformed_frame_closes_the_channel_with_a_clear_error(tiny_model, mode, monkeypatch):
     """A malformed or truncated frame: the request fails with ChannelError; the orchestrator survives."""
     monkeypatch.setenv("FAKE_MODE", mode)
-    with Runtime(model=tiny_model, transport="stdio", _worker_argv=FAKE) as rt:
+    with Runtime(model=tiny_model, transport="stdio", _worker_argv=FAKE,
+                 supervision=Supervision(restart=False)) as rt:
         with pytest.raises(ChannelError, match="bad frame|malformed|mid-frame|exceeds"):
             run_with_deadline(lambda: rt.generate("hi", max_tokens=4), 10)
-        assert rt.workers[0].state == "dead"
-        with pytest.raises(WorkerDied):
+        assert rt.workers[0].state == "failed"
+        with pytest.raises(ModelFailedError, match="restart is disabled"):
             rt.generate("hi", max_tokens=4)
 
 
@@ -128,9 +131,6 @@ def test_sigkill_mid_stream_raises_worker_died_promptly(tiny_model, transport):
         os.kill(rt.workers[0].pid, signal.SIGKILL)
         with pytest.raises(WorkerDied, match="died"):
             run_with_deadline(lambda: list(stream), 5)
-        assert rt.workers[0].state == "dead"
-        with pytest.raises(WorkerDied):
-            rt.generate("hi", max_tokens=2)
 
 
 def test_closing_the_runtime_stops_its_workers(tiny_model):
@@ -143,7 +143,7 @@ def test_closing_the_runtime_stops_its_workers(tiny_model):
     rt.close()  # idempotent
     run_with_deadline(lambda: list(stream), 5)
     assert stream.finish_reason == "cancelled"
-    with pytest.raises(WorkerDied):
+    with pytest.raises(WorkerDied, match="closing"):
         rt.generate("hi", max_tokens=2)
     for pid in pids:
         with pytest.raises(ProcessLookupError):

@@ -131,7 +131,17 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-Down = Hello | Generate | Cancel | Shutdown
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """Ask for a `Pong` with the worker's memory figures."""
+
+    seq: int
+
+
+class ClearCache(msgspec.Struct, tag="clear_cache", array_like=True):
+    """Free MLX's buffer cache between two requests (memory pressure policy)."""
+
+
+Down = Hello | Generate | Cancel | Shutdown | Ping | ClearCache
 
 
 # ---- worker -> orchestrator -------------------------------------------------
@@ -188,7 +198,21 @@ class Fatal(msgspec.Struct, tag="fatal", array_like=True, kw_only=True):
     traceback: str = ""
 
 
-Up = Attached | Ready | Tokens | Done | Failed | Fatal
+class MemoryReport(msgspec.Struct, kw_only=True):
+    """A worker's memory, bytes: MLX's allocator counters and the process RSS."""
+
+    active_bytes: int = 0
+    peak_bytes: int = 0
+    cache_bytes: int = 0
+    rss_bytes: int = 0
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):
+    seq: int
+    memory: MemoryReport
+
+
+Up = Attached | Ready | Tokens | Done | Failed | Fatal | Pong
 
 
 class Codec:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_READY_TIMEOUT_S = 300.0
@@ -38,4 +39,58 @@ class Timeouts:
             ready_s=_env_float("MLXRT_READY_TIMEOUT_S", DEFAULT_READY_TIMEOUT_S),
             token_s=_env_float("MLXRT_TOKEN_TIMEOUT_S", DEFAULT_TOKEN_TIMEOUT_S),
             shutdown_s=_env_float("MLXRT_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S),
+        )
+
+
+DEFAULT_BACKOFF_INITIAL_S = 0.5
+DEFAULT_BACKOFF_MAX_S = 30.0
+DEFAULT_MAX_CRASHES = 5
+DEFAULT_CRASH_WINDOW_S = 60.0
+DEFAULT_MONITOR_INTERVAL_S = 1.0
+
+
+def _env_opt_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "" or raw.lower() == "none":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Supervision:
+    """How workers are restarted, unloaded and protected from memory pressure.
+
+    A worker that dies is restarted after ``backoff_initial_s``, doubling per
+    crash up to ``backoff_max_s``; ``max_crashes`` crashes within
+    ``crash_window_s`` mark the model failed until `Runtime.reset`. With
+    ``keep_alive_s`` set, a worker idle that long is unloaded and reloaded on
+    the next request (None: never).
+    """
+
+    restart: bool = True
+    backoff_initial_s: float = DEFAULT_BACKOFF_INITIAL_S
+    backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
+    max_crashes: int = DEFAULT_MAX_CRASHES
+    crash_window_s: float = DEFAULT_CRASH_WINDOW_S
+    keep_alive_s: float | None = None
+    monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
+    #: Clear workers' MLX caches under "warning" memory pressure.
+    clear_cache_on_warning: bool = True
+    #: Refuse new requests under "critical" memory pressure.
+    refuse_on_critical: bool = True
+    #: Reads the memory-pressure level; None: the OS's own signal (`monitor.read_memory`).
+    memory_level: Callable[[], str] | None = None
+
+    @classmethod
+    def from_env(cls) -> Supervision:
+        return cls(
+            backoff_initial_s=_env_float("MLXRT_BACKOFF_INITIAL_S", DEFAULT_BACKOFF_INITIAL_S),
+            backoff_max_s=_env_float("MLXRT_BACKOFF_MAX_S", DEFAULT_BACKOFF_MAX_S),
+            max_crashes=int(_env_float("MLXRT_MAX_CRASHES", DEFAULT_MAX_CRASHES)),
+            crash_window_s=_env_float("MLXRT_CRASH_WINDOW_S", DEFAULT_CRASH_WINDOW_S),
+            keep_alive_s=_env_opt_float("MLXRT_KEEP_ALIVE_S"),
+            monitor_interval_s=_env_float("MLXRT_MONITOR_INTERVAL_S", DEFAULT_MONITOR_INTERVAL_S),
         )

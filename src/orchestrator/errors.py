@@ -52,3 +52,11 @@ class RequestError(MlxrtError):
 
 class ModelNotFoundError(ModelLoadError):
     """The model reference names no local directory and no cached or downloadable model."""
+
+
+class ModelFailedError(MlxrtError):
+    """The model's workers crashed too often; requests fail until `Runtime.reset(model)`."""
+
+
+class MemoryPressureError(MlxrtError):
+    """The machine is under critical memory pressure: new requests are refused, not started."""

@@ -26,11 +26,15 @@ from ..ipc.protocol import (
     PROTOCOL_VERSION,
     Attached,
     Cancel,
+    ClearCache,
     Done,
     Failed,
     Fatal,
     Generate,
     Hello,
+    MemoryReport,
+    Ping,
+    Pong,
     Ready,
     Shutdown,
     Tokens,
@@ -45,12 +49,41 @@ log = structlog.get_logger("mlxrt.orchestrator")
 #: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied.
 Sink = Callable[[object], None]
 
+
+@dataclass
+class Entry:
+    """A request in flight on a worker: where its events go, and whether any came yet."""
+
+    req: Generate
+    sink: Sink
+    started: bool = False
+
+
+#: on_exit(handle, error, entries): called once from the reader thread when the worker is gone,
+#: with the requests still in flight; the callback must end or re-route every one of them.
+ExitCallback = Callable[["WorkerHandle", WorkerDied, list[Entry]], None]
+
 _names = itertools.count(1)
 
 
 @dataclass(frozen=True)
+class WorkerMemory:
+    """One worker's memory, bytes (peak: since its current or last request began)."""
+
+    name: str
+    pid: int
+    active_bytes: int
+    peak_bytes: int
+    cache_bytes: int
+    rss_bytes: int
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
-    """A snapshot of one worker, as `Runtime.workers` reports it."""
+    """A snapshot of one worker, as `Runtime.workers` reports it.
+
+    state: starting, ready, busy, draining, dead (restarting), failed, unloaded, stopped.
+    """
 
     name: str
     pid: int
@@ -67,6 +100,11 @@ def _discard(_event: object) -> None:
     pass
 
 
+def _fail_all(_handle: WorkerHandle, error: WorkerDied, entries: list[Entry]) -> None:
+    for entry in entries:
+        entry.sink(error)
+
+
 class WorkerHandle:
     """A worker process and its channels. States: starting, ready, stopping, dead."""
 
@@ -80,15 +118,19 @@ class WorkerHandle:
         warmup_tokens: int,
         cache_limit_bytes: int | None = None,
         argv: list[str] | None = None,
+        on_exit: ExitCallback = _fail_all,
     ) -> None:
         self.model = model
         self._argv = argv or [sys.executable, "-m", "mlxrt.worker"]
+        self._on_exit = on_exit
         self.model_name = model_name
         self.transport = transport
         self.name = f"w{next(_names)}"
         self._timeouts = timeouts
         self._lock = threading.Lock()
-        self._sinks: dict[int, Sink] = {}
+        self._sinks: dict[int, Entry] = {}
+        self._pings: dict[int, tuple[threading.Event, list[MemoryReport]]] = {}
+        self._ping_seq = itertools.count(1)
         self._state = "starting"
         self._requests = 0
         self._tokens = 0
@@ -98,6 +140,8 @@ class WorkerHandle:
         self._reading = False
         self.ready: Ready | None = None
         self.death: WorkerDied | None = None
+        #: Set when the worker is gone: True unless it was asked to stop.
+        self.crashed = False
         self._spawn(warmup_tokens, cache_limit_bytes)
 
     # -- life cycle ---------------------------------------------------------
@@ -140,7 +184,10 @@ class WorkerHandle:
             target=self._pump_stderr, name=f"mlxrt-{self.name}-stderr", daemon=True
         )
         self._stderr_thread.start()
-        self._tx.send(self._codec.encode(hello))
+        try:
+            self._tx.send(self._codec.encode(hello))
+        except ChannelClosed:
+            pass  # it already exited: wait_ready reports how, with its stderr
 
     def wait_ready(self) -> Ready:
         """Block until the worker is ready; raise `ModelLoadError` or `MlxrtTimeout` otherwise.
@@ -241,7 +288,7 @@ class WorkerHandle:
         with self._lock:
             if self._state != "ready":
                 raise self.death or WorkerDied(f"worker {self.name} (pid {self.pid}) is {self._state}")
-            self._sinks[req.id] = sink
+            self._sinks[req.id] = Entry(req, sink)
             self._requests += 1
         try:
             self._tx.send(frame)
@@ -259,9 +306,30 @@ class WorkerHandle:
             if req_id not in self._sinks or self._state != "ready":
                 return
             if discard:
-                self._sinks[req_id] = _discard
+                self._sinks[req_id].sink = _discard
         try:
             self._tx.send(self._codec.encode(Cancel(req_id)))
+        except ChannelClosed:
+            pass
+
+    def memory(self, timeout: float) -> MemoryReport | None:
+        """Ask the worker for its memory figures; None if it does not answer within `timeout` s."""
+        seq = next(self._ping_seq)
+        done: tuple[threading.Event, list[MemoryReport]] = (threading.Event(), [])
+        self._pings[seq] = done
+        try:
+            self._tx.send(self._codec.encode(Ping(seq)))
+            done[0].wait(timeout)
+        except ChannelClosed:
+            pass
+        finally:
+            self._pings.pop(seq, None)
+        return done[1][0] if done[1] else None
+
+    def clear_cache(self) -> None:
+        """Ask the worker to free MLX's buffer cache between requests."""
+        try:
+            self._tx.send(self._codec.encode(ClearCache()))
         except ChannelClosed:
             pass
 
@@ -293,14 +361,20 @@ class WorkerHandle:
                 msg = decode(self._rx.recv())
                 if type(msg) is Tokens:
                     self._tokens += len(msg.token_ids)
-                    sink = sinks.get(msg.id)
-                    if sink is not None:
-                        sink(msg)
+                    entry = sinks.get(msg.id)
+                    if entry is not None:
+                        entry.started = True
+                        entry.sink(msg)
                 elif isinstance(msg, (Done, Failed)):
                     with self._lock:
-                        sink = sinks.pop(msg.id, None)
-                    if sink is not None:
-                        sink(msg)
+                        entry = sinks.pop(msg.id, None)
+                    if entry is not None:
+                        entry.sink(msg)
+                elif isinstance(msg, Pong):
+                    waiter = self._pings.get(msg.seq)
+                    if waiter is not None:
+                        waiter[1].append(msg.memory)
+                        waiter[0].set()
         except ChannelCorrupt as exc:
             self._die(ChannelError(f"worker {self.name} (pid {self.pid}) sent a bad frame: {exc}"))
         except msgspec.DecodeError as exc:
@@ -314,19 +388,21 @@ class WorkerHandle:
         code = self._reap(1.0)
         with self._lock:
             stopping = self._state == "stopping"
+            self.crashed = not stopping
             self._state = "dead"
             if error is None:
                 how = "was stopped" if stopping else f"died (exit code {code})"
                 error = WorkerDied(f"worker {self.name} (pid {self.pid}) {how}")
             self.death = error
-            sinks, self._sinks = list(self._sinks.values()), {}
+            entries, self._sinks = list(self._sinks.values()), {}
         self._rx.close()
+        for _, waiter in list(self._pings.items()):
+            waiter[0].set()
         (log.info if stopping else log.error)(
             "worker.exit", worker=self.name, pid=self.pid, code=code, error=str(error),
-            in_flight=len(sinks), stderr=None if stopping else self._last_stderr(),
+            in_flight=len(entries), stderr=None if stopping else self._last_stderr(),
         )
-        for sink in sinks:
-            sink(error)
+        self._on_exit(self, error, entries)
 
     def _pump_stderr(self) -> None:
         decoder = msgspec.json.Decoder(dict)

@@ -12,6 +12,7 @@ import functools
 import itertools
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ import structlog
 
 from .. import logs
 from ..ipc.protocol import ChatMessage, Done, Failed, Generate, SamplingParams, Stats, Tokens
-from .config import DEFAULT_WARMUP_TOKENS, Timeouts
-from .errors import MlxrtError, MlxrtTimeout, RequestError, WorkerDied
-from .handle import WorkerHandle, WorkerInfo
+from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts
+from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
+from .handle import WorkerHandle, WorkerInfo, WorkerMemory
 from .models import resolve_model
+from .supervisor import Slot
 
 log = structlog.get_logger("mlxrt.orchestrator")
 
@@ -85,7 +87,7 @@ def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Genera
 
 
 class Pool:
-    """Worker processes for one or more models, started together, stopped together."""
+    """Supervised worker slots for one or more models, started together, stopped together."""
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class Pool:
         workers: int,
         transport: str,
         timeouts: Timeouts,
+        supervision: Supervision,
         warmup_tokens: int,
         cache_limit_bytes: int | None,
         worker_argv: list[str] | None = None,
@@ -105,60 +108,110 @@ class Pool:
         if not models:
             raise ValueError("invalid model: name at least one model")
         self.timeouts = timeouts
+        self.supervision = supervision
         self.transport = _choose_transport(transport)
+        self.pressure = "normal"
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._closed = threading.Event()
         targets = {name: resolve_model(ref) for name, ref in models.items()}
-        self.handles: dict[str, list[WorkerHandle]] = {name: [] for name in targets}
+        self.slots: dict[str, list[Slot]] = {}
+        for name, target in targets.items():
+            spawn = functools.partial(
+                WorkerHandle,
+                target,
+                model_name=name,
+                transport=self.transport,
+                timeouts=timeouts,
+                warmup_tokens=warmup_tokens,
+                cache_limit_bytes=cache_limit_bytes,
+                argv=worker_argv,
+            )
+            self.slots[name] = [
+                Slot(name, lambda on_exit, spawn=spawn: spawn(on_exit=on_exit), supervision)
+                for _ in range(workers)
+            ]
         try:
-            for name, target in targets.items():
-                for _ in range(workers):
-                    self.handles[name].append(
-                        WorkerHandle(
-                            target,
-                            model_name=name,
-                            transport=self.transport,
-                            timeouts=timeouts,
-                            warmup_tokens=warmup_tokens,
-                            cache_limit_bytes=cache_limit_bytes,
-                            argv=worker_argv,
-                        )
-                    )
-            for handle in self.all():
-                handle.wait_ready()
+            for slot in self.all():
+                slot.begin()
+            for slot in self.all():
+                slot.finish()
         except BaseException:
             self.close()
             raise
-        self.default_model = next(iter(self.handles))
+        self.default_model = next(iter(self.slots))
+        self._monitor = threading.Thread(target=self._watch, name="mlxrt-monitor", daemon=True)
+        self._monitor.start()
 
-    def all(self) -> list[WorkerHandle]:
-        return [h for hs in self.handles.values() for h in hs]
+    def all(self) -> list[Slot]:
+        return [s for ss in self.slots.values() for s in ss]
 
     def next_id(self) -> int:
         return next(self._ids)
 
-    def submit(self, model: str | None, req: Generate, sink) -> WorkerHandle:
-        """Send `req` to the least-loaded ready worker of `model`."""
+    def model_slots(self, model: str | None) -> list[Slot]:
         name = model or self.default_model
-        handles = self.handles.get(name)
-        if handles is None:
-            raise ValueError(f"invalid model={name!r}: this runtime serves {sorted(self.handles)}")
-        with self._lock:
-            live = [h for h in handles if h.alive]
-            if not live:
-                death = next((h.death for h in handles if h.death), None)
-                raise WorkerDied(f"no live worker for model {name!r}" + (f": {death}" if death else ""))
-            handle = min(live, key=lambda h: h.in_flight)
-            handle.submit(req, sink)
-        return handle
+        slots = self.slots.get(name)
+        if slots is None:
+            raise ValueError(f"invalid model={name!r}: this runtime serves {sorted(self.slots)}")
+        return slots
 
-    def close(self) -> None:
+    def submit(self, model: str | None, req: Generate, sink, keep_alive_s: float | None = None) -> Slot:
+        """Send `req` to the least-loaded live slot of `model`: ready workers first."""
+        slots = self.model_slots(model)
+        if self.pressure == "critical" and self.supervision.refuse_on_critical:
+            raise MemoryPressureError(
+                "the machine is under critical memory pressure: request refused rather than "
+                "started and killed (policy: Supervision.refuse_on_critical)"
+            )
+        live = [s for s in slots if not s.failed]
+        if not live:
+            raise ModelFailedError(slots[0]._failure)
+        slot = min(live, key=lambda s: s.routing_key)
+        slot.submit(req, sink, keep_alive_s)
+        return slot
+
+    def _watch(self) -> None:
+        """Once a tick: unload idle workers, apply the memory-pressure policy."""
+        interval = self.supervision.monitor_interval_s
+        last_clear = 0.0
+        read_level = self.supervision.memory_level or _memory_level
+        while not self._closed.wait(interval):
+            for slot in self.all():
+                keep = slot.keep_alive_s
+                if keep is not None and slot.idle_for() > keep:
+                    slot.unload()
+            level = read_level()
+            if level != self.pressure:
+                log.warning("memory.pressure", level=level, was=self.pressure)
+                self.pressure = level
+            now = time.monotonic()
+            if level in ("warning", "critical") and self.supervision.clear_cache_on_warning:
+                if now - last_clear > 10 * interval:
+                    last_clear = now
+                    for slot in self.all():
+                        if slot.handle is not None:
+                            slot.handle.clear_cache()
+
+    def close(self, drain_s: float = 0.0) -> None:
         """Stop every worker (in parallel); idempotent."""
-        threads = [threading.Thread(target=h.stop) for h in self.all()]
+        self._closed.set()
+        threads = [threading.Thread(target=s.close, args=(drain_s,)) for s in self.all()]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+
+
+def _memory_level() -> str:
+    try:
+        from .monitor import read_memory
+    except ImportError:
+        return "unavailable"
+    try:
+        return read_memory().level
+    except Exception as exc:  # a reader bug must not take the pool's monitor down
+        log.warning("memory.read_failed", error=repr(exc))
+        return "unavailable"
 
 
 @functools.cache
@@ -209,13 +262,13 @@ def _event_to_chunk(event: object, stream: _StreamBase) -> Chunk | None:
 class _StreamBase:
     stats: Stats | None
 
-    def __init__(self, pool: Pool, model: str | None, req: Generate, sink) -> None:
+    def __init__(self, pool: Pool, model: str | None, req: Generate, sink, keep_alive_s) -> None:
         self.model = model or pool.default_model
         self.id = req.id
         self.stats = None
         self._done = False
         self._token_timeout = pool.timeouts.token_s
-        self._handle = pool.submit(model, req, sink)
+        self._slot = pool.submit(model, req, sink, keep_alive_s)
 
     @property
     def finish_reason(self) -> str | None:
@@ -224,24 +277,24 @@ class _StreamBase:
     @property
     def worker(self) -> WorkerInfo:
         """The worker serving this request."""
-        return self._handle.info()
+        return self._slot.info()
 
     def cancel(self) -> None:
         """Ask the worker to stop between two tokens; iterating then ends with
         ``finish_reason == "cancelled"`` and the stats of what was generated."""
         if not self._done:
-            self._handle.cancel(self.id)
+            self._slot.cancel(self.id, discard=False)
 
     def close(self) -> None:
         """Cancel and forget: remaining chunks and stats are dropped."""
         if not self._done:
             self._done = True
-            self._handle.cancel(self.id, discard=True)
+            self._slot.cancel(self.id, discard=True)
 
     def _timeout_error(self) -> MlxrtTimeout:
         self.close()
         return MlxrtTimeout(
-            f"request {self.id} got nothing from worker {self._handle.name} within "
+            f"request {self.id} got nothing from worker {self._slot.name} within "
             f"{self._token_timeout:g} s (set MLXRT_TOKEN_TIMEOUT_S)"
         )
 
@@ -259,9 +312,9 @@ class Stream(_StreamBase):
     CPython); call `close()` or use ``with`` to be explicit.
     """
 
-    def __init__(self, pool: Pool, model: str | None, req: Generate) -> None:
+    def __init__(self, pool: Pool, model: str | None, req: Generate, keep_alive_s=None) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        super().__init__(pool, model, req, self._q.put)
+        super().__init__(pool, model, req, self._q.put, keep_alive_s)
 
     def __iter__(self) -> Iterator[Chunk]:
         return self
@@ -287,7 +340,7 @@ class Stream(_StreamBase):
 class AsyncStream(_StreamBase):
     """``async for`` over `Chunk`s; leaving the loop early (or `aclose()`) cancels the request."""
 
-    def __init__(self, pool: Pool, model: str | None, req: Generate) -> None:
+    def __init__(self, pool: Pool, model: str | None, req: Generate, keep_alive_s=None) -> None:
         loop = asyncio.get_running_loop()
         self._q: asyncio.Queue = asyncio.Queue()
         put = self._q.put_nowait
@@ -298,7 +351,7 @@ class AsyncStream(_StreamBase):
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        super().__init__(pool, model, req, sink)
+        super().__init__(pool, model, req, sink, keep_alive_s)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -356,6 +409,7 @@ class Runtime:
         workers: int = 1,
         transport: str = "auto",
         timeouts: Timeouts | None = None,
+        supervision: Supervision | None = None,
         warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
         cache_limit_bytes: int | None = None,
         _worker_argv: list[str] | None = None,
@@ -366,6 +420,7 @@ class Runtime:
             workers=workers,
             transport=transport,
             timeouts=timeouts or Timeouts.from_env(),
+            supervision=supervision or Supervision.from_env(),
             warmup_tokens=warmup_tokens,
             cache_limit_bytes=cache_limit_bytes,
             worker_argv=_worker_argv,  # tests substitute fake workers here
@@ -379,24 +434,61 @@ class Runtime:
 
     @property
     def workers(self) -> list[WorkerInfo]:
-        return [h.info() for h in self._pool.all()]
+        return [s.info() for s in self._pool.all()]
 
     @property
     def models(self) -> list[str]:
-        return list(self._pool.handles)
+        return list(self._pool.slots)
 
-    def stream(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Stream:
-        """Start a request and return its `Stream` of chunks."""
+    @property
+    def memory_pressure(self) -> str:
+        """The last system memory-pressure level the monitor read: normal, warning,
+        critical or unavailable."""
+        return self._pool.pressure
+
+    def stream(
+        self, prompt: Prompt, *, model: str | None = None, keep_alive: float | None = None, **params: Any
+    ) -> Stream:
+        """Start a request and return its `Stream` of chunks.
+
+        `keep_alive` (seconds) sets how long the model stays loaded once idle
+        (Ollama's keep_alive; 0 unloads it right after this request).
+        """
         req = build_request(self._pool.next_id(), prompt, params)
-        return Stream(self._pool, model, req)
+        return Stream(self._pool, model, req, _keep_alive(keep_alive))
 
-    def generate(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Completion:
+    def generate(
+        self, prompt: Prompt, *, model: str | None = None, keep_alive: float | None = None, **params: Any
+    ) -> Completion:
         """Run a request to the end and return its `Completion`."""
-        stream = self.stream(prompt, model=model, **params)
+        stream = self.stream(prompt, model=model, keep_alive=keep_alive, **params)
         return _collect(list(stream), stream)
 
-    def close(self) -> None:
-        """Stop every worker; idempotent."""
+    def memory(self, timeout: float = 5.0) -> list[WorkerMemory]:
+        """Each loaded worker's MLX and process memory (one round trip each)."""
+        found = (s.memory(timeout) for s in self._pool.all())
+        return [m for m in found if m is not None]
+
+    def reset(self, model: str | None = None) -> None:
+        """Clear a failed model's crash record and start its workers again."""
+        for slot in self._pool.model_slots(model):
+            slot.reset()
+
+    def unload(self, model: str | None = None) -> int:
+        """Stop the model's idle workers now (they reload on the next request); returns how many."""
+        return sum(slot.unload() for slot in self._pool.model_slots(model))
+
+    def load(self, model: str | None = None) -> None:
+        """Start the model's unloaded workers in the background."""
+        for slot in self._pool.model_slots(model):
+            slot.load()
+
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop every worker; idempotent. With `drain_s`, running requests get that long to
+        finish before their workers are asked to exit (then SIGTERM, then SIGKILL)."""
+        if drain_s > 0 and self._finalizer.alive:
+            self._finalizer.detach()
+            self._pool.close(drain_s)
         self._finalizer()
 
     def __enter__(self) -> Runtime:
@@ -404,6 +496,14 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _keep_alive(value: float | None) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"invalid keep_alive={value!r}: seconds >= 0, or None for the runtime default")
+    return float(value)
 
 
 class AsyncRuntime:
@@ -440,19 +540,39 @@ class AsyncRuntime:
     def transport(self) -> str:
         return self.runtime.transport
 
-    def stream(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> AsyncStream:
+    @property
+    def memory_pressure(self) -> str:
+        return self.runtime.memory_pressure
+
+    def stream(
+        self, prompt: Prompt, *, model: str | None = None, keep_alive: float | None = None, **params: Any
+    ) -> AsyncStream:
         pool = self.runtime._pool
         req = build_request(pool.next_id(), prompt, params)
-        return AsyncStream(pool, model, req)
+        return AsyncStream(pool, model, req, _keep_alive(keep_alive))
 
-    async def generate(self, prompt: Prompt, *, model: str | None = None, **params: Any) -> Completion:
-        stream = self.stream(prompt, model=model, **params)
+    async def generate(
+        self, prompt: Prompt, *, model: str | None = None, keep_alive: float | None = None, **params: Any
+    ) -> Completion:
+        stream = self.stream(prompt, model=model, keep_alive=keep_alive, **params)
         chunks = [c async for c in stream]
         return _collect(chunks, stream)
 
-    async def close(self) -> None:
+    async def memory(self, timeout: float = 5.0) -> list[WorkerMemory]:
+        return await asyncio.to_thread(self.runtime.memory, timeout)
+
+    def reset(self, model: str | None = None) -> None:
+        self.runtime.reset(model)
+
+    def unload(self, model: str | None = None) -> int:
+        return self.runtime.unload(model)
+
+    def load(self, model: str | None = None) -> None:
+        self.runtime.load(model)
+
+    async def close(self, drain_s: float = 0.0) -> None:
         if self._rt is not None:
-            await asyncio.to_thread(self._rt.close)
+            await asyncio.to_thread(self._rt.close, drain_s)
 
     async def __aenter__(self) -> AsyncRuntime:
         return await self.start()

@@ -10,18 +10,16 @@ cancellation are checked between tokens.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, wired_limit
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load
 
-from ..ipc.protocol import Generate, SamplingParams, Stats
+from ..ipc.protocol import Generate, MemoryReport, SamplingParams, Stats
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -71,6 +69,21 @@ class Engine:
         self.vocab_size = int(config.get("vocab_size") or 0)
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
+
+    def memory(self) -> MemoryReport:
+        """MLX's allocator counters and this process's RSS, bytes."""
+        import psutil
+
+        return MemoryReport(
+            active_bytes=int(mx.get_active_memory()),
+            peak_bytes=int(mx.get_peak_memory()),
+            cache_bytes=int(mx.get_cache_memory()),
+            rss_bytes=int(psutil.Process().memory_info().rss),
+        )
+
+    def clear_cache(self) -> None:
+        """Return MLX's cached buffers to the system."""
+        mx.clear_cache()
 
     def warmup(self, tokens: int) -> None:
         """Generate a few tokens so kernels are compiled before the first request."""
@@ -255,8 +268,3 @@ def _processors(p: SamplingParams):
 def device_name() -> str:
     """The MLX default device, e.g. ``gpu`` or ``cpu``."""
     return str(mx.default_device())
-
-
-def model_dir_exists(path: str) -> bool:
-    """True when `path` is a directory with a config.json (a local model)."""
-    return (Path(path) / "config.json").is_file() or os.path.isdir(path)

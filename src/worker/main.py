@@ -17,7 +17,10 @@
 The process claims its stdin and stdout for frames before MLX is imported:
 fd 1 is pointed at stderr, so a stray print, from Python or C, lands in the
 orchestrator's log instead of corrupting the channel. EOF on stdin means the
-orchestrator is gone: the worker cancels what it was doing and exits.
+orchestrator is gone: the worker cancels what it was doing and exits. A
+thread polling the parent pid is the second line (a re-parented worker
+exits too). No PR_SET_PDEATHSIG: it fires when the *thread* that spawned the
+worker exits, and AsyncRuntime spawns from a pool thread.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ from ..ipc.protocol import (
     PROTOCOL_VERSION,
     Attached,
     Cancel,
+    ClearCache,
     Done,
     Failed,
     Fatal,
     Generate,
     Hello,
+    Ping,
+    Pong,
     Ready,
     Shutdown,
     Stats,
@@ -155,6 +161,7 @@ class Server:
         self._cancelled: set[int] = set()
         self._current: int | None = None
         self._stopping = False
+        self._clear_cache = False
 
     # -- reader thread --
     def on_message(self, msg: object) -> None:
@@ -165,6 +172,10 @@ class Server:
                 self._cancel(msg.id)
             elif isinstance(msg, Shutdown):
                 self._stop()
+            elif isinstance(msg, Ping):
+                self._outbox.message(Pong(seq=msg.seq, memory=self._engine.memory()))
+            elif isinstance(msg, ClearCache):
+                self._clear_cache = True  # done on the MLX thread, between requests
             self._cond.notify()
 
     def on_eof(self) -> None:
@@ -193,12 +204,20 @@ class Server:
     def serve_forever(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not self._stopping and not self._clear_cache:
                     self._cond.wait()
                 if self._stopping:
                     return
-                req, queued_at = self._queue.popleft()
-                self._current = req.id
+                clear, self._clear_cache = self._clear_cache, False
+                if not self._queue:
+                    req = None
+                else:
+                    req, queued_at = self._queue.popleft()
+                    self._current = req.id
+            if clear:
+                self._engine.clear_cache()
+            if req is None:
+                continue
             self._run(req, queued_at)
             with self._cond:
                 self._current = None
@@ -235,6 +254,15 @@ def _read_loop(rx: Receiver, server: Server, log) -> None:
         pass
     except Exception as exc:  # a bad frame from the orchestrator: stop rather than guess
         log.error("worker.bad_frame", error=repr(exc))
+    server.on_eof()
+
+
+def _watch_parent(server: Server, log, interval_s: float = 1.0) -> None:
+    """Second line behind stdin EOF: exit if the orchestrator is gone (re-parented)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(interval_s)
+    log.warning("worker.orphaned", parent=parent)
     server.on_eof()
 
 
@@ -315,6 +343,7 @@ def main() -> None:
     log.info("worker.ready", model=hello.model, load_s=round(engine.load_s, 3))
     server = Server(engine, outbox)
     threading.Thread(target=_read_loop, args=(rx, server, log), name="mlxrt-reader", daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(server, log), name="mlxrt-parent", daemon=True).start()
     server.serve_forever()
     outbox.close()
     tx.close()
