@@ -1,150 +1,607 @@
-"""``python -m benchmarks``: end-to-end decode speed of mlxrt against native MLX.
+"""``python -m benchmarks`` (``make bench``): mlxrt against native MLX and other servers.
 
 Scenarios run in interleaved rounds (A B C A B C ...) after a warm-up, greedy,
-EOS disabled, on the same prompt ids; every mlxrt scenario must produce the
-native token ids (the quality gate: a mismatch fails the run). The last line
-of stdout is one JSON document with every figure.
+EOS disabled, on the same prompt ids and model: native ``mlx_lm.stream_generate``,
+mlxrt's embedded API over the ring and over stdio, mlxrt over HTTP, and the
+peers that can run here (mlx-lm's server, llama.cpp, Ollama). Every mlxrt
+scenario must produce native's token ids (the quality gate: a mismatch exits 1).
+Then the per-component costs are measured directly, and optionally N streams
+at once (``--concurrency``). Tables go to stdout, progress to stderr, and the
+last line of stdout is one JSON document with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
+import os
 import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
-from .env import default_preset, describe
-from .measure import ratio_spread, spread
+from . import components, records, report
+from .concurrency import run_level
+from .env import backend, default_preset, describe, git_commit
+from .measure import Run, agreement, diff_spread, finite, peak_rss_bytes, ratio_spread, spread, text_agreement
+from .peers import PEERS, LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
 from .scenarios import Embedded, Native, Skipped
 
-SCENARIOS = ("native", "mlxrt-ring", "mlxrt-stdio")
+MLXRT_SCENARIOS = ("mlxrt-ring", "mlxrt-stdio", "mlxrt-http")
+SCENARIOS = ("native", *MLXRT_SCENARIOS)
+PARTS = ("components", "concurrency")
+DEFAULT_CONCURRENCY = "1,4,16"
+DEFAULTS = {"prompt_tokens": 128, "gen_tokens": 128, "rounds": 5}
+QUICK = {"prompt_tokens": 32, "gen_tokens": 32, "rounds": 2}
+WARMUP_TOKENS = 16
+CODEC_CALLS = {True: 20_000, False: 100_000}  # per pass, by --quick
+OUTBOX_TOKENS = {True: 100, False: 300}
+EXIT_GATE, EXIT_NO_BASELINE, EXIT_CRASH = 1, 2, 3
 
 
-def make_scenario(name: str, model: str):
-    if name == "native":
-        return Native(model)
-    if name.startswith("mlxrt-"):
-        return Embedded(model, name.removeprefix("mlxrt-"))
-    raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")
+@dataclass
+class Plan:
+    """What to run, from the command line; unknown names are skipped with the reason."""
+
+    scenarios: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+    components: bool = True
+    concurrency: list[int] = field(default_factory=list)
+    concurrency_note: str = ""
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
-def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
-    """`n` seeded pseudo-random ids from the low part of the vocabulary (real merges)."""
-    rng = random.Random(seed)
-    return [rng.randrange(10, max(11, min(vocab, 2000))) for _ in range(n)]
+def _names(s: str | None) -> list[str]:
+    return [n.strip() for n in (s or "").split(",") if n.strip()]
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Turn --only, --peers and --concurrency into a `Plan`."""
+    plan = Plan()
+    choices = (*SCENARIOS, *PEERS, *PARTS, "e2e")
+    peers_given = args.peers is not None
+    peer_names = [] if args.peers in (None, "none", "") else _names(args.peers)
+    if not peers_given:
+        peer_names = list(PEERS)
+    for n in peer_names:
+        if n not in PEERS:
+            plan.skipped[n] = f"unknown peer; choose from {', '.join(PEERS)} (or none)"
+    peer_names = [n for n in peer_names if n in PEERS]
+    if args.only:
+        only = _names(args.only)
+        for n in only:
+            if n not in choices:
+                plan.skipped[n] = f"unknown scenario or part; choose from {', '.join(choices)}"
+        plan.scenarios = list(SCENARIOS) if "e2e" in only else [n for n in SCENARIOS if n in only]
+        listed_peers = [n for n in PEERS if n in only]
+        plan.peers = list(dict.fromkeys(listed_peers + (peer_names if peers_given else [])))
+        plan.components = "components" in only
+        want_conc = "concurrency" in only or bool(args.concurrency)
+    else:
+        plan.scenarios = list(SCENARIOS)
+        plan.peers = peer_names
+        want_conc = bool(args.concurrency)
+    if (plan.scenarios or plan.peers or want_conc) and "native" not in plan.scenarios:
+        plan.scenarios.insert(0, "native")  # the baseline and the token reference, concurrency's too
+    if want_conc:
+        try:
+            plan.concurrency = sorted({int(x) for x in _names(args.concurrency or DEFAULT_CONCURRENCY)})
+        except ValueError:
+            plan.skipped["concurrency"] = f"--concurrency {args.concurrency!r}: expected numbers like 1,4,16"
+        if any(n < 1 for n in plan.concurrency):
+            plan.concurrency = []
+            plan.skipped["concurrency"] = f"--concurrency {args.concurrency!r}: stream counts must be >= 1"
+    else:
+        plan.concurrency_note = (
+            "not in the default suite (about a minute per target on the CPU default); "
+            f"pass --concurrency {DEFAULT_CONCURRENCY} or --only concurrency"
+        )
+    return plan
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    p.add_argument("--model", help="model dir, HF id or synthetic:PRESET (default: by backend)")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--gen-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--only", help=f"comma-separated scenarios from {','.join(SCENARIOS)}")
-    p.add_argument("--json", help="also write the JSON document to this path")
-    return p.parse_args(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        help="model dir, HF id or synthetic:PRESET (default: synthetic:small on a CPU, "
+        "synthetic:qwen2.5-0.5b-4bit on a GPU)",
+    )
+    p.add_argument("--prompt-tokens", type=int, help=f"prompt length (default {DEFAULTS['prompt_tokens']})")
+    p.add_argument(
+        "--gen-tokens", type=int, help=f"tokens generated per request (default {DEFAULTS['gen_tokens']})"
+    )
+    p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {DEFAULTS['rounds']})")
+    p.add_argument("--concurrency", help=f"streams at once, e.g. {DEFAULT_CONCURRENCY} (default: not run)")
+    p.add_argument("--workers", type=int, default=2, help="workers of the multi-worker concurrency target")
+    p.add_argument(
+        "--only",
+        help=f"comma-separated: scenarios ({','.join(SCENARIOS)}), peers "
+        f"({','.join(PEERS)}), parts ({','.join(PARTS)}) or e2e",
+    )
+    p.add_argument("--peers", help=f"comma-separated peers to try (default: all of {','.join(PEERS)}; none)")
+    p.add_argument(
+        "--json", help="JSON output path (default bench-results/<timestamp>.json; the PNG goes beside)"
+    )
+    p.add_argument("--log", metavar="WHAT_CHANGED", help="append a row to the results record (--results-tsv)")
+    p.add_argument("--results-tsv", default=str(records.DEFAULT_PATH), help="the record --log appends to")
+    p.add_argument("--quick", action="store_true", help="fewer rounds, shorter prompt and generation")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else DEFAULTS
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for k in ("prompt_tokens", "gen_tokens", "rounds", "workers"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    return args
+
+
+def make_prompt(tokenizer: Any, n: int, *, start: int = 0) -> tuple[list[int], bool]:
+    """`n` ids of English text (the synthetic corpus from paragraph `start`) that survive decode -> encode.
+
+    Text-only peers get ``decode(ids)``; ids that re-encode to themselves make that
+    the same prompt. Returns the ids and whether the round trip holds.
+    """
+    text = resources.files("mlxrt.worker").joinpath("corpus.txt").read_text(encoding="utf-8")
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    ids: list[int] = []
+    i = start
+    while len(ids) < n:  # paragraph by paragraph: a tokenizer warns on texts past its model_max_length
+        ids += list(tokenizer.encode(paragraphs[i % len(paragraphs)] + "\n\n", add_special_tokens=False))
+        i += 1
+    ids = ids[:n]
+    for _ in range(3):
+        again = list(tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False))
+        if again == ids:
+            return ids, True
+        ids = again[:n]
+    return ids, False
+
+
+class Suite:
+    """One benchmark run: sets scenarios up, times them, and builds the JSON document."""
+
+    def __init__(self, args: argparse.Namespace, plan: Plan, progress: report.Progress) -> None:
+        self.args, self.plan, self.say = args, plan, progress
+        self.model = args.model or f"synthetic:{default_preset()}"
+        self.model_path: str | None = None
+        self.live: dict[str, Any] = {}
+        self.runs: dict[str, list[Run]] = {}
+        self.skipped: dict[str, str] = dict(plan.skipped)
+        self.info: dict[str, Any] = {}
+        self.tokenizer: Any = None
+        self.prompt: list[int] = []  # round 0's; also the concurrency prompt
+        self.prompts: list[list[int]] = []  # one per round, then the warm-up's
+        self.prompt_roundtrip = False
+        self.refs: list[list[int]] = []  # native's tokens, per round
+        self.ref: list[int] | None = None  # round 0's
+        self.concurrency_runs: dict[str, list[Run]] = {}
+        self.checked: dict[str, bool] = {}  # name -> token_checked, kept after close
+
+    # -- set-up --
+    def skip(self, name: str, why: str) -> None:
+        self.skipped[name] = why
+        self.say(f"skip {name}: {why}")
+
+    def setup(self, name: str, factory) -> Any | None:  # type: ignore[no-untyped-def]
+        self.say(f"setting up {name}")
+        try:
+            s = factory()
+            s.setup()
+        except Skipped as exc:
+            self.skip(name, str(exc))
+            return None
+        except Exception as exc:  # a peer or scenario that fails must not stop the others
+            self.skip(name, f"{type(exc).__name__}: {exc}")
+            return None
+        self.live[name] = s
+        self.checked[name] = bool(getattr(s, "token_checked", True))
+        desc = getattr(s, "describe", None)
+        self.info[name] = desc() if callable(desc) else {}
+        return s
+
+    def resolve_model(self) -> bool:
+        self.say(f"model {self.model} (a synthetic model is made on first use)")
+        try:
+            from mlxrt.orchestrator.models import resolve_model
+            from mlxrt.worker.engine import resolve_model_path
+
+            self.model_path = resolve_model_path(resolve_model(self.model))  # makes a synthetic model once
+        except Exception as exc:
+            why = f"model {self.model!r} cannot be used: {type(exc).__name__}: {exc}"
+            for n in self.plan.scenarios + self.plan.peers:
+                self.skip(n, why)
+            return False
+        self.say(f"model ready at {self.model_path}")
+        return True
+
+    def set_up_e2e(self) -> None:
+        path = self.model_path
+        assert path is not None
+        native = self.setup("native", lambda: Native(path))
+        if native is None:
+            why = "needs the native baseline, which failed (see native)"
+            for n in self.plan.scenarios[1:] + self.plan.peers:
+                self.skip(n, why)
+            return
+        self.tokenizer = native.tokenizer
+        self.make_prompts()
+        http, http_why = (
+            http_scenarios()
+            if ({"mlxrt-http", "mlx_lm.server"} & {*self.plan.scenarios, *self.plan.peers})
+            else ({}, None)
+        )
+        for name in self.plan.scenarios[1:]:
+            if name == "mlxrt-http":
+                if name in http:
+                    self.setup(name, lambda: make_http(http["mlxrt-http"], path))
+                else:
+                    self.skip(name, http_why or "benchmarks.http_scenario has no HttpStream")
+            else:
+                self.setup(name, lambda n=name: Embedded(path, n.removeprefix("mlxrt-")))
+        parallel = max(self.plan.concurrency or [1])
+        factories = {
+            "mlx_lm.server": lambda: make_http(http["mlx_lm.server"], path),
+            "llama.cpp": lambda: LlamaCpp(
+                path,
+                tokenizer=self.tokenizer,
+                parallel=parallel,
+                ctx_per_slot=len(self.prompt) + self.args.gen_tokens,
+            ),
+            "ollama": lambda: Ollama(path, tokenizer=self.tokenizer),
+        }
+        for name in self.plan.peers:
+            if name == "mlx_lm.server" and name not in http:
+                self.skip(name, http_why or "benchmarks.http_scenario has no MlxLmServer")
+                continue
+            self.setup(name, factories[name])
+
+    def make_prompts(self) -> None:
+        """A different prompt each round (so no server's prompt cache serves a later round),
+        the same for every scenario within a round; the warm-up gets one of its own."""
+        made = [
+            make_prompt(self.tokenizer, self.args.prompt_tokens, start=r) for r in range(self.args.rounds + 1)
+        ]
+        self.prompts = [ids for ids, _ in made]
+        self.prompt = self.prompts[0]
+        self.prompt_roundtrip = all(ok for _, ok in made)
+
+    # -- end to end --
+    def run_one(self, name: str, prompt: list[int], gen: int) -> Run | None:
+        s = self.live[name]
+        try:
+            run = s.run(prompt, gen)
+        except Exception as exc:
+            self.live.pop(name).close()
+            self.runs.pop(name, None)
+            self.skip(name, f"failed while running: {type(exc).__name__}: {exc}")
+            return None
+        if run.rss_peak_bytes is None and run.peak_memory_bytes is None:
+            run.rss_peak_bytes = peak_rss_bytes(peer_pid(s))  # a server scenario from elsewhere
+        return run
+
+    def e2e(self) -> None:
+        if "native" not in self.live:
+            return
+        a = self.args
+        for name in list(self.live):
+            self.say(f"warm-up {name}")
+            self.run_one(name, self.prompts[-1], min(WARMUP_TOKENS, a.gen_tokens))
+        self.runs = {n: [] for n in self.live}
+        for r in range(a.rounds):
+            for name in list(self.live):
+                run = self.run_one(name, self.prompts[r], a.gen_tokens)
+                if run is None:
+                    continue
+                self.runs[name].append(run)
+                self.say(
+                    f"round {r + 1}/{a.rounds} {name:<14} {report._f(run.decode_tps):>7} tok/s"
+                    f"  TTFT {report._f(run.ttft_ms):>6} ms  {run.n_tokens} tokens"
+                )
+            if "native" not in self.live:
+                self.say("native failed: stopping the end-to-end rounds")
+                break
+        self.refs = [r.tokens for r in self.runs.get("native", [])]
+        self.ref = self.refs[0] if self.refs else None
+
+    # -- concurrency --
+    def concurrency(self) -> dict[str, Any]:
+        levels = self.plan.concurrency
+        if not levels:
+            return {"not_run": self.plan.concurrency_note or self.skipped.get("concurrency", "")}
+        if self.model_path is None or not self.prompt:  # no native run: no prompt, nothing to check against
+            return {"not_run": self.skipped.get("native", "native did not run")}
+        out: dict[str, Any] = {"levels": levels, "targets": {}, "skipped": {}}
+        w = self.args.workers
+        one = next((n for n in ("mlxrt-ring", "mlxrt-stdio") if n in self.live), None)
+        targets: list[tuple[str, Any]] = []
+        path = self.model_path
+        if one:
+            targets.append((f"mlxrt-w1 ({one.removeprefix('mlxrt-')})", self.live[one]))
+        else:
+            s = self.setup("mlxrt-w1", lambda: Embedded(path, "auto", name="mlxrt-w1"))
+            if s is not None:
+                targets.append(("mlxrt-w1", s))
+        if w > 1:
+            s = self.setup(f"mlxrt-w{w}", lambda: Embedded(path, "auto", workers=w, name=f"mlxrt-w{w}"))
+            if s is not None:
+                targets.append((f"mlxrt-w{w}", s))
+        targets += [(n, self.live[n]) for n in ("mlxrt-http", *PEERS) if n in self.live]
+        for name, s in targets:
+            out["targets"][name] = {}
+            for n in levels:
+                self.say(f"concurrency {name}: {n} stream(s)")
+                try:
+                    figures, runs = run_level(s, self.prompt, self.args.gen_tokens, n)
+                except Exception as exc:
+                    out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
+                    self.say(f"skip concurrency {name}: {out['skipped'][name]}")
+                    break
+                if getattr(s, "token_checked", True):
+                    self.concurrency_runs.setdefault(name, []).extend(runs)
+                out["targets"][name][str(n)] = figures
+                self.say(
+                    f"  {report._f(figures['aggregate_tps'])} tok/s aggregate, TTFT median "
+                    f"{report._f(figures['ttft_ms']['median'])} ms"
+                )
+        return out
+
+    # -- components --
+    def components(self) -> dict[str, Any]:
+        q = self.args.quick
+        out: dict[str, Any] = {"skipped": {}}
+        if self.plan.components:
+            parts = {
+                "transport": ("transport microbenchmark (ring vs pipe)", lambda: components.transport(True)),
+                "codec": ("msgspec codec", lambda: components.codec(CODEC_CALLS[q])),
+                "outbox": ("outbox flush delay", lambda: components.outbox(OUTBOX_TOKENS[q])),
+            }
+            for key, (label, measure_it) in parts.items():
+                self.say(f"components: {label}")
+                try:
+                    out[key] = measure_it()
+                except ImportError as exc:
+                    out["skipped"][key] = f"not available ({exc})"
+                except Exception as exc:  # one component failing must not lose the others
+                    out["skipped"][key] = f"{type(exc).__name__}: {exc}"
+                if key in out["skipped"]:
+                    self.say(f"skip component {key}: {out['skipped'][key]}")
+        http_base = next((n for n in ("mlxrt-ring", "mlxrt-stdio") if self.runs.get(n)), None)
+        out.update(components.from_runs(self.runs, http_base))
+        if "mlxrt-http" not in self.runs:
+            out["skipped"]["http_sse"] = self.skipped.get("mlxrt-http", "mlxrt-http was not run")
+        out["largest"] = report.largest_component(out)
+        return out
+
+    def close(self) -> None:
+        for name, s in list(self.live.items()):
+            try:
+                s.close()
+            except Exception as exc:  # closing one must not leak the others
+                self.say(f"closing {name}: {type(exc).__name__}: {exc}")
+        self.live.clear()
+
+    # -- results --
+    def scenario_doc(self, name: str, rs: list[Run]) -> dict[str, Any]:
+        checked = self.checked.get(name, True)
+        native = self.runs.get("native", [])
+        tps = [r.decode_tps for r in rs]
+        ttft = [r.ttft_ms for r in rs]
+        paired = len(native) == len(rs) and name != "native"
+        peaks = [r.peak_memory_bytes for r in rs if r.peak_memory_bytes]
+        rss = [r.rss_peak_bytes for r in rs if r.rss_peak_bytes]
+        doc: dict[str, Any] = {
+            "token_checked": checked,
+            "info": self.info.get(name, {}),
+            "decode_tps": spread(tps),
+            "ttft_ms": spread(ttft),
+            "prompt_tps": spread([r.prompt_tps for r in rs]),
+            "itl_p50_ms": spread([r.summary()["itl_p50_ms"] for r in rs]),
+            "itl_p99_ms": spread([r.summary()["itl_p99_ms"] for r in rs]),
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "rss_peak_bytes": max(rss) if rss else None,
+            "engine_decode_tps": spread([r.engine.get("decode_tps") or float("nan") for r in rs]),
+            "engine_per_token_ms": spread([r.engine.get("per_token_ms") or float("nan") for r in rs]),
+            "ratio_to_native": ratio_spread(tps, [r.decode_tps for r in native])
+            if paired
+            else (spread([1.0] * len(rs)) if name == "native" else None),
+            "ttft_overhead_ms": diff_spread(ttft, [r.ttft_ms for r in native]) if paired else None,
+            "runs": [r.summary() for r in rs],
+        }
+        if self.refs and len(rs) == len(self.refs):
+            if name == "native":
+                doc["tokens"] = {"identical": True, "reference": True}
+            elif checked:
+                doc["tokens"] = {
+                    "identical": all(r.tokens == ref for r, ref in zip(rs, self.refs, strict=True))
+                }
+            else:
+                ag = [self.agreement(r, ref) for r, ref in zip(rs, self.refs, strict=True)]
+                pcts = [a["agree_pct"] for a in ag if a["agree_pct"] is not None]
+                doc["tokens"] = {
+                    "agree_pct": min(pcts) if pcts else None,
+                    "first_divergence": ag[0]["first_divergence"],
+                    "basis": ag[0]["basis"],
+                }
+        return doc
+
+    def agreement(self, run: Run, ref: list[int]) -> dict[str, Any]:
+        if run.text is not None and not run.tokens:
+            return text_agreement(self.tokenizer.decode, ref, run.text)
+        if not run.tokens or min(run.tokens) < 0:  # a peer that returned neither ids nor text
+            return {
+                "agree_pct": None,
+                "first_divergence": None,
+                "basis": "none: the peer returned no ids or text",
+            }
+        return agreement(ref, run.tokens)
+
+    def gate(self, scen: dict[str, Any]) -> dict[str, Any]:
+        if self.ref is None:
+            return {"passed": None, "checked": [], "mismatched": [], "why": "native did not run"}
+        checked = [n for n, s in scen.items() if s["token_checked"] and n != "native"]
+        bad = [n for n in checked if not scen[n].get("tokens", {}).get("identical")]
+        if len(self.ref) == self.args.gen_tokens:  # same request: concurrency streams must match too
+            for n, rs in self.concurrency_runs.items():
+                checked.append(f"{n} under concurrency")
+                if any(r.tokens != self.ref for r in rs):
+                    bad.append(f"{n} under concurrency")
+        return {"passed": not bad, "checked": checked, "mismatched": bad}
+
+    def document(self, conc: dict[str, Any], comp: dict[str, Any]) -> dict[str, Any]:
+        scen = {n: self.scenario_doc(n, rs) for n, rs in self.runs.items() if rs}
+        a = self.args
+        env = describe()
+        env["note"] = (
+            "figures from a shared, busy machine are for checking the harness, not for publication"
+            if env.get("cpu_count", 0) <= 2
+            else None
+        )
+        return {
+            "benchmark": "mlxrt-bench",
+            "config": {
+                "model": self.model,
+                "model_path": self.model_path,
+                "prompt_tokens": a.prompt_tokens,
+                "gen_tokens": a.gen_tokens,
+                "rounds": a.rounds,
+                "quick": a.quick,
+                "scenarios": self.plan.scenarios,
+                "peers": self.plan.peers,
+                "components": self.plan.components,
+                "concurrency": self.plan.concurrency,
+                "workers": a.workers,
+            },
+            "prompt": {
+                "tokens": len(self.prompt),
+                "roundtrip": self.prompt_roundtrip,
+                "per_round": "a different corpus paragraph each round, the same for every scenario",
+            },
+            "scenarios": scen,
+            "skipped": self.skipped,
+            "components": comp,
+            "concurrency": conc,
+            "gate": self.gate(scen)
+            if "native" in scen
+            else {
+                "passed": None,
+                "checked": [],
+                "mismatched": [],
+                "why": self.skipped.get("native", "native not run"),
+            },
+            "env": env,
+        }
+
+
+def run_suite(args: argparse.Namespace, plan: Plan, say: report.Progress) -> tuple[dict[str, Any], Suite]:
+    suite = Suite(args, plan, say)
+    conc: dict[str, Any] = {}
+    try:
+        if (plan.scenarios or plan.peers or plan.concurrency) and suite.resolve_model():
+            if plan.scenarios or plan.peers:
+                suite.set_up_e2e()
+                suite.e2e()
+            conc = suite.concurrency()
+        elif plan.concurrency:
+            conc = {"not_run": suite.skipped.get("native", "")}
+        else:
+            conc = {"not_run": plan.concurrency_note}
+    finally:
+        suite.close()
+    comp = suite.components()
+    return suite.document(conc, comp), suite
+
+
+def write_outputs(doc: dict[str, Any], suite: Suite, args: argparse.Namespace) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    jpath = Path(args.json) if args.json else Path("bench-results") / f"{stamp}.json"
+    jpath.parent.mkdir(parents=True, exist_ok=True)
+    doc["outputs"]["json"] = str(jpath)
+    if not args.no_plot:
+        ttft = {n: [r.ttft_ms for r in rs] for n, rs in suite.runs.items()}
+        png = report.plot(doc, ttft, jpath.with_suffix(".png"))
+        doc["outputs"]["png"] = str(png) if png else None
+    jpath.write_text(json.dumps(finite(doc), allow_nan=False) + "\n", encoding="utf-8")
+
+
+def log_record(
+    doc: dict[str, Any] | None, args: argparse.Namespace, *, crashed: bool
+) -> dict[str, str] | None:
+    """Append this run to the results record; the headline is the first mlxrt scenario that ran.
+
+    Returns the row, or None when a run that did not crash has no mlxrt figure to record.
+    """
+    scen = (doc or {}).get("scenarios", {})
+    head = next((n for n in MLXRT_SCENARIOS if n in scen), None)
+    if head is None and not crashed:
+        return None
+    d = scen[head]["decode_tps"] if head else {}
+    env = (doc or {}).get("env") or {}
+    nan = float("nan")
+    return records.record(
+        Path(args.results_tsv),
+        commit=env.get("commit") or git_commit(),
+        model=args.model or f"synthetic:{default_preset()}",
+        backend=str(env.get("backend") or backend()),
+        scenario=head,
+        decode_tps=d.get("median", nan) if d else nan,
+        spread_tps=(d["p75"] - d["p25"]) if d and d.get("n") else nan,
+        ttft_ms=scen[head]["ttft_ms"]["median"] if head else nan,
+        description=args.log,
+        crashed=crashed,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = args.model or f"synthetic:{default_preset()}"
-    from mlxrt.worker.engine import resolve_model_path
+    from mlxrt import logs
 
-    path = resolve_model_path(model)
-    names = args.only.split(",") if args.only else list(SCENARIOS)
-    if "native" not in names:
-        names.insert(0, "native")  # the baseline and the token reference
-    scenarios, skipped = [], {}
-    for name in names:
-        try:
-            s = make_scenario(name, path)
-            s.setup()
-            scenarios.append(s)
-        except (Skipped, Exception) as exc:  # report and go on with the others
-            skipped[name] = f"{type(exc).__name__}: {exc}"
-            print(f"skip {name}: {skipped[name]}", file=sys.stderr)
-    native = scenarios[0]
-    vocab = len(native.tokenizer.vocab) if hasattr(native.tokenizer, "vocab") else 2000
-    ids = prompt_ids(args.prompt_tokens, vocab)
-    runs: dict[str, list] = {s.name: [] for s in scenarios}
+    # stdout carries the tables and the JSON line: library logs go to stderr, warnings and up.
+    logs.configure(level=os.environ.get("MLXRT_LOG_LEVEL", "warning"), stream=sys.stderr)
+    plan = make_plan(args)
+    say = report.Progress()
+    for name, why in plan.skipped.items():
+        say(f"skip {name}: {why}")
     try:
-        for s in scenarios:
-            s.run(ids, min(16, args.gen_tokens))  # warm-up
-        for r in range(args.rounds):
-            for s in scenarios:
-                runs[s.name].append(s.run(ids, args.gen_tokens))
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    finally:
-        for s in scenarios:
-            s.close()
-    result = summarize(runs, skipped, args, model)
-    print_table(result)
-    doc = json.dumps(_finite(result), default=str, allow_nan=False)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(doc + "\n")
-    print(doc)
-    return 0 if result["tokens_identical"] else 1
-
-
-def summarize(runs: dict[str, list], skipped: dict, args: argparse.Namespace, model: str) -> dict:
-    ref = runs["native"][0].tokens
-    base_tps = [r.decode_tps for r in runs["native"]]
-    base_ttft = [r.ttft_ms for r in runs["native"]]
-    scenarios = {}
-    identical = True
-    for name, rs in runs.items():
-        same = all(r.tokens == ref for r in rs)
-        identical &= same
-        tps = [r.decode_tps for r in rs]
-        ttft = [r.ttft_ms for r in rs]
-        scenarios[name] = {
-            "decode_tps": spread(tps),
-            "ttft_ms": spread(ttft),
-            "ratio_to_native": ratio_spread(tps, base_tps),
-            "ttft_overhead_ms": spread([a - b for a, b in zip(ttft, base_ttft, strict=True)]),
-            "tokens_identical": same,
-            "runs": [r.summary() for r in rs],
+        doc, suite = run_suite(args, plan, say)
+    except Exception as exc:
+        traceback.print_exc()
+        doc = {
+            "benchmark": "mlxrt-bench",
+            "status": "crash",
+            "error": f"{type(exc).__name__}: {exc}",
+            "skipped": plan.skipped,
         }
-    return {
-        "benchmark": "mlxrt-e2e",
-        "model": model,
-        "prompt_tokens": args.prompt_tokens,
-        "gen_tokens": args.gen_tokens,
-        "rounds": args.rounds,
-        "scenarios": scenarios,
-        "skipped": skipped,
-        "tokens_identical": identical,
-        "env": describe(),
-    }
-
-
-def print_table(result: dict) -> None:
-    head = f"{'scenario':<14} {'decode tok/s':>22} {'x native':>18} {'TTFT ms':>16} {'TTFT +ms':>9} tokens"
-    print(head)
-    print("-" * len(head))
-    for name, s in result["scenarios"].items():
-        d, r, t, o = s["decode_tps"], s["ratio_to_native"], s["ttft_ms"], s["ttft_overhead_ms"]
-        print(
-            f"{name:<14} {d['median']:>8.1f} [{d['min']:.1f}-{d['max']:.1f}]".ljust(38)
-            + f" {r['median']:>6.3f} [{r['min']:.3f}-{r['max']:.3f}]".ljust(19)
-            + f" {t['median']:>7.2f} [{t['min']:.1f}-{t['max']:.1f}]".ljust(17)
-            + f" {o['median']:>+8.2f} {'same' if s['tokens_identical'] else 'DIFFERENT'}"
-        )
-    for name, why in result["skipped"].items():
-        print(f"{name:<14} skipped: {why}")
-
-
-def _finite(o: object) -> object:
-    """NaN and infinities become null: the JSON document must be strict JSON."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, list):
-        return [_finite(v) for v in o]
-    return o
+        if args.log:
+            doc["record"] = log_record(None, args, crashed=True)
+        print(json.dumps(finite(doc), default=str, allow_nan=False))
+        return EXIT_CRASH
+    gate = doc["gate"]
+    doc["status"] = "ok" if gate["passed"] else "token-mismatch" if gate["passed"] is False else "no-baseline"
+    if not (plan.scenarios or plan.peers):
+        doc["status"] = "ok"  # components or concurrency only: nothing to gate
+    doc["elapsed_s"] = say.elapsed_s
+    doc["outputs"] = {}
+    if args.log:
+        doc["record"] = log_record(doc, args, crashed=doc["status"] == "token-mismatch")
+        if doc["record"] is None:
+            say("--log: no mlxrt end-to-end figure in this run; nothing appended")
+        else:
+            doc["outputs"]["tsv"] = f"{args.results_tsv} ({doc['record']['status']})"
+    write_outputs(doc, suite, args)
+    report.print_report(doc)
+    print(json.dumps(finite(doc), default=str, allow_nan=False))
+    if doc["status"] == "token-mismatch":
+        return EXIT_GATE
+    return EXIT_NO_BASELINE if doc["status"] == "no-baseline" else 0
 
 
 if __name__ == "__main__":

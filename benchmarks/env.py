@@ -34,7 +34,9 @@ def gpu_name() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -51,7 +53,8 @@ def describe() -> dict:
         "processor": platform.processor() or None,
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "backend": str(mx.default_device()),
+        "backend": backend(),
+        "device": str(mx.default_device()),
         "gpu": gpu_name(),
         "versions": {
             d: _version(d)
@@ -59,6 +62,15 @@ def describe() -> dict:
         },
         "commit": git_commit(),
     }
+
+
+def backend() -> str:
+    """``metal``, ``cuda`` or ``cpu``: what MLX computes on by default here."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
 
 
 def default_preset() -> str:

@@ -1,0 +1,354 @@
+"""The benchmark harness's own logic: statistics, the token gate, the record, skips, and a smoke run.
+
+These assert what the harness computes and reports, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the checkout, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import __main__ as bench  # noqa: E402
+from benchmarks import measure, records  # noqa: E402
+from benchmarks.peers import Ollama, ollama_base  # noqa: E402
+from benchmarks.scenarios import Native, Skipped  # noqa: E402
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_spread_reports_median_quartiles_and_drops_nan():
+    """spread() gives median, min, max and quartiles, ignoring runs that produced no figure."""
+    s = measure.spread([5.0, 1.0, math.nan, 3.0, 2.0, 4.0])
+    assert (s["median"], s["min"], s["max"], s["p25"], s["p75"], s["n"]) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    assert measure.spread([])["n"] == 0
+
+
+def test_percentile_interpolates_linearly():
+    """percentile() interpolates between ranks and is NaN for no data."""
+    assert measure.percentile([10.0, 20.0], 50) == 15.0
+    assert measure.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
+    assert math.isnan(measure.percentile([], 50))
+
+
+def test_ratio_and_difference_are_paired_by_round():
+    """Ratios and differences pair round i with round i, not median with median."""
+    num, den = [2.0, 4.0, 6.0], [1.0, 4.0, 3.0]
+    assert measure.ratio_spread(num, den)["median"] == 2.0  # per-round 2, 1, 2; medians alone would give 4/3
+    assert measure.diff_spread(num, den)["median"] == 1.0  # per-round 1, 0, 3
+    with pytest.raises(ValueError):
+        measure.ratio_spread([1.0], [1.0, 2.0])
+
+
+def test_arrivals_count_tokens_not_chunks(monkeypatch):
+    """A chunk of k tokens counts as k tokens, with k equal inter-token gaps."""
+    clock = iter([0.1, 0.4, 0.5])
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
+    arr = measure.Arrivals(0.0)
+    arr.add([7])
+    arr.add([8, 9, 10])
+    run = arr.run(prompt_tokens=20)
+    assert run.tokens == [7, 8, 9, 10] and run.n_tokens == 4
+    assert run.ttft_ms == pytest.approx(100.0)
+    assert run.decode_tps == pytest.approx(10.0)  # 3 tokens after the first, over 0.3 s
+    assert run.itl_ms == pytest.approx([100.0, 100.0, 100.0])
+    assert run.prompt_tps == pytest.approx(200.0)
+
+
+def test_agreement_is_the_common_prefix():
+    """Agreement counts native's tokens before the first divergence; later coincidences do not count."""
+    a = measure.agreement([1, 2, 3, 4], [1, 2, 9, 4])
+    assert a["agree_pct"] == 50.0 and a["first_divergence"] == 2
+    assert measure.agreement([1, 2], [1, 2, 3])["first_divergence"] == 2
+    assert measure.agreement([1, 2], [1, 2]) == {"agree_pct": 100.0, "first_divergence": None, "basis": "ids"}
+
+
+def test_text_agreement_matches_tokens_that_spell_a_prefix():
+    """For text-only peers, native's tokens are decoded and matched against the peer's text."""
+    words = {1: " the", 2: " fox", 3: " ran"}
+
+    def decode(ids):
+        return "".join(words[i] for i in ids)
+
+    assert measure.text_agreement(decode, [1, 2, 3], " the fox ran")["first_divergence"] is None
+    a = measure.text_agreement(decode, [1, 2, 3], " the fox sat")
+    assert a["agree_pct"] == pytest.approx(200 / 3) and a["first_divergence"] == 2 and a["basis"] == "text"
+
+
+def test_finite_turns_nan_into_null():
+    """The JSON document is strict JSON: NaN and infinities become null."""
+    doc = measure.finite({"a": [math.nan, 1.0], "b": {"c": math.inf}})
+    assert json.dumps(doc, allow_nan=False) == '{"a": [null, 1.0], "b": {"c": null}}'
+
+
+# ---------------------------------------------------------------- records
+
+
+def _row(tps: str, spread: str = "1.0", status: str = "keep", model: str = "m", backend: str = "cpu") -> dict:
+    return {"model": model, "backend": backend, "decode_tps": tps, "spread_tps": spread, "status": status}
+
+
+def test_decide_keeps_within_spread_of_the_best_and_discards_beyond():
+    """keep unless slower than the best kept row of the same model+backend by more than the spread."""
+    rows = [_row("100"), _row("90"), _row("500", status="discard"), _row("900", model="other")]
+    assert records.decide([], model="m", backend="cpu", decode_tps=1.0, spread_tps=0.5) == "keep"
+    assert records.decide(rows, model="m", backend="cpu", decode_tps=98.0, spread_tps=3.0) == "keep"
+    assert records.decide(rows, model="m", backend="cpu", decode_tps=98.0, spread_tps=0.5) == "discard"
+    assert records.decide(rows, model="m", backend="gpu", decode_tps=1.0, spread_tps=0.0) == "keep"
+
+
+def test_record_appends_rows_under_one_header(tmp_path):
+    """The TSV gets a header once, a decided status per row, and crash for a crashed run."""
+    path = tmp_path / "results.tsv"
+    common = {"commit": "abc", "model": "m", "backend": "cpu", "scenario": "mlxrt-ring", "ttft_ms": 5.0}
+    first = records.record(
+        path, **common, decode_tps=100.0, spread_tps=2.0, description="base", crashed=False
+    )
+    slower = records.record(
+        path, **common, decode_tps=80.0, spread_tps=2.0, description="slow\tone", crashed=False
+    )
+    crash = records.record(
+        path, **common, decode_tps=math.nan, spread_tps=math.nan, description="x", crashed=True
+    )
+    assert [first["status"], slower["status"], crash["status"]] == ["keep", "discard", "crash"]
+    lines = path.read_text().splitlines()
+    assert lines[0].split("\t") == list(records.COLUMNS) and len(lines) == 4
+    assert [r["description"] for r in records.read(path)] == ["base", "slow one", "x"]
+
+
+# ---------------------------------------------------------------- names and skips
+
+
+def test_unknown_names_are_skipped_with_the_reason():
+    """Unknown scenarios, parts and peers are reported as skipped; the known ones still run."""
+    plan = bench.make_plan(bench.parse_args(["--only", "mlxrt-ring,warp-drive", "--peers", "ollama,vllm"]))
+    assert plan.scenarios == ["native", "mlxrt-ring"] and plan.peers == ["ollama"]
+    assert "unknown scenario" in plan.skipped["warp-drive"] and "unknown peer" in plan.skipped["vllm"]
+    assert not plan.components and not plan.concurrency
+
+
+def test_default_plan_runs_everything_but_concurrency():
+    """The default suite has every scenario, peer and the components; concurrency only when asked."""
+    plan = bench.make_plan(bench.parse_args([]))
+    assert plan.scenarios == list(bench.SCENARIOS) and plan.peers == list(bench.PEERS) and plan.components
+    assert plan.concurrency == [] and "--concurrency" in plan.concurrency_note
+    assert bench.make_plan(bench.parse_args(["--only", "concurrency"])).concurrency == [1, 4, 16]
+
+
+def test_unreachable_ollama_is_skipped_with_the_reason(monkeypatch):
+    """No Ollama at OLLAMA_HOST: setup raises Skipped naming the address and the variable."""
+    port = _closed_port()
+    monkeypatch.setenv("OLLAMA_HOST", f"127.0.0.1:{port}")
+    with pytest.raises(Skipped, match=rf"not reachable at http://127.0.0.1:{port}.*OLLAMA_HOST"):
+        Ollama("/unused", tokenizer=None).setup()
+
+
+def test_ollama_host_forms(monkeypatch):
+    """OLLAMA_HOST may be host:port, a URL, or the bind-all address."""
+    for value, want in [
+        ("10.1.2.3:1234", "http://10.1.2.3:1234"),
+        ("http://box", "http://box:11434"),
+        ("0.0.0.0", "http://127.0.0.1:11434"),
+    ]:
+        monkeypatch.setenv("OLLAMA_HOST", value)
+        assert ollama_base() == want
+    monkeypatch.delenv("OLLAMA_HOST")
+    assert ollama_base() == "http://127.0.0.1:11434"
+
+
+class _FakeOllama(BaseHTTPRequestHandler):
+    """Ollama's API as far as the peer uses it (Ollama itself cannot be installed here)."""
+
+    created: list = []
+
+    def log_message(self, *args):  # keep pytest's output clean
+        pass
+
+    def _json(self, obj, status=200):
+        body = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/api/version":
+            self._json({"version": "0.0-fake"})
+        else:  # /api/ps
+            name = self.created[-1]["model"] if self.created else ""
+            self._json({"models": [{"name": name + ":latest", "size": 100, "size_vram": 0, "details": {}}]})
+
+    def do_HEAD(self):
+        self.send_response(404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path.startswith("/api/blobs/"):
+            self._json({}, 201)
+        elif self.path == "/api/create":
+            self.created.append(json.loads(body))
+            self._json({"status": "success"})
+        else:  # /api/generate: three tokens, then the totals
+            self.send_response(200)
+            self.end_headers()
+            for piece in (" the", " fox", " ran"):
+                self.wfile.write(json.dumps({"response": piece, "done": False}).encode() + b"\n")
+                self.wfile.flush()
+            final = {
+                "response": "",
+                "done": True,
+                "eval_count": 3,
+                "eval_duration": 30_000_000,
+                "prompt_eval_count": 5,
+                "prompt_eval_duration": 10_000_000,
+            }
+            self.wfile.write(json.dumps(final).encode() + b"\n")
+
+
+def test_ollama_peer_imports_the_gguf_and_reads_eval_counts(monkeypatch, tmp_path, tiny_model, reference):
+    """Against a fake of its API: the GGUF becomes a model; eval_count/eval_duration become figures."""
+    monkeypatch.setenv("MLXRT_GGUF_DIR", str(tmp_path))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOllama)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("OLLAMA_HOST", f"127.0.0.1:{server.server_address[1]}")
+        peer = Ollama(tiny_model, tokenizer=reference[1])
+        peer.setup()
+        run = peer.run([10, 11, 12, 13, 14], 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+    created = _FakeOllama.created[-1]
+    assert created["model"] == peer.model and list(created["files"]) == ["model.gguf"]
+    assert run.n_tokens == 3 and run.engine["decode_tps"] == pytest.approx(100.0)
+    assert run.engine["prompt_tps"] == pytest.approx(500.0)
+    assert peer.describe()["runner"]["processor"] == "CPU"
+
+
+def test_gguf_export_uses_llama_cpp_names_and_the_bpe_vocab(tmp_path, tiny_model):
+    """The export has llama.cpp tensor names, no tied output, and the full gpt2-style vocabulary."""
+    import gguf
+
+    from benchmarks.gguf_export import export
+
+    path = export(tiny_model, tmp_path / "tiny.gguf")
+    r = gguf.GGUFReader(str(path))
+    names = {t.name for t in r.tensors}
+    assert {
+        "token_embd.weight",
+        "output_norm.weight",
+        "blk.0.attn_q.weight",
+        "blk.0.attn_q.bias",
+        "blk.1.ffn_down.weight",
+    } <= names
+    assert "output.weight" not in names  # tied embeddings: llama.cpp reuses token_embd
+    field = r.fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "gpt2"
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == 2048
+
+
+# ---------------------------------------------------------------- the gate and a whole run
+
+
+class _Corrupt(Native):
+    """Stands in for mlxrt: native's tokens with the last one changed."""
+
+    def __init__(self, model_path: str, transport: str, **_kw) -> None:
+        super().__init__(model_path)
+        self.name = f"mlxrt-{transport}"
+
+    def run(self, prompt_ids, gen_tokens):
+        run = super().run(prompt_ids, gen_tokens)
+        run.tokens[-1] += 1
+        return run
+
+
+def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
+    """A scenario whose ids differ from native's fails the quality gate: exit 1, status token-mismatch."""
+    monkeypatch.setattr(bench, "Embedded", _Corrupt)
+    code = bench.main(
+        [
+            "--model",
+            "synthetic:tiny",
+            "--quick",
+            "--only",
+            "mlxrt-stdio",
+            "--peers",
+            "none",
+            "--no-plot",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
+    out = capsys.readouterr().out
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert code == bench.EXIT_GATE and doc["status"] == "token-mismatch"
+    assert doc["gate"]["mismatched"] == ["mlxrt-stdio"] and "QUALITY GATE FAILED" in out
+
+
+def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
+    """A whole quick run: tables, then one JSON line with every part, the PNG, and a record row."""
+    out_json, tsv = tmp_path / "bench.json", tmp_path / "results.tsv"
+    env = {**os.environ, "OLLAMA_HOST": f"127.0.0.1:{_closed_port()}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks",
+        "--model",
+        "synthetic:tiny",
+        "--quick",
+        "--concurrency",
+        "1,2",
+        "--only",
+        "native,mlxrt-ring,mlxrt-stdio,components,concurrency,ollama,nonsense",
+        "--json",
+        str(out_json),
+        "--log",
+        "smoke test",
+        "--results-tsv",
+        str(tsv),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc == json.loads(out_json.read_text())
+    assert doc["status"] == "ok" and doc["gate"]["passed"] is True, doc["gate"]
+    assert {"native", "mlxrt-ring", "mlxrt-stdio"} <= set(doc["scenarios"]), (
+        doc["skipped"],
+        proc.stderr[-3000:],
+    )
+    for s in doc["scenarios"].values():
+        assert s["decode_tps"]["n"] == 2 and s["ttft_ms"]["median"] > 0 and len(s["runs"]) == 2
+        assert s["tokens"]["identical"] is True
+    assert doc["scenarios"]["mlxrt-ring"]["ratio_to_native"]["n"] == 2
+    assert set(doc["skipped"]) >= {"ollama", "nonsense"}
+    assert "not reachable" in doc["skipped"]["ollama"]
+    comp = doc["components"]
+    assert {"codec", "outbox", "worker_loop_us", "e2e_gap_us", "largest"} <= set(comp)
+    assert "transport" in comp or "transport" in comp["skipped"]
+    assert set(comp["worker_loop_us"]) == {"mlxrt-ring", "mlxrt-stdio"}
+    targets = doc["concurrency"]["targets"]
+    assert set(targets) == {"mlxrt-w1 (ring)", "mlxrt-w2"} and set(targets["mlxrt-w2"]) == {"1", "2"}
+    assert doc["env"]["commit"] and doc["env"]["versions"]["mlx"]
+    assert Path(doc["outputs"]["png"]).is_file()
+    assert records.read(tsv)[0]["status"] == "keep" and "where the microseconds go" in proc.stdout
