@@ -186,3 +186,20 @@ def test_sigkill_of_the_orchestrator_stops_its_workers(tiny_model, transport):
         proc.wait()
         proc.stdout.close()
     assert set(glob.glob("/dev/shm/mlxrt-*")) - before == set()
+
+
+def test_silent_worker_times_out_in_asyncio_too(tiny_model, monkeypatch):
+    """AsyncRuntime: a worker that goes quiet raises MlxrtTimeout naming MLXRT_TOKEN_TIMEOUT_S."""
+    import asyncio
+
+    from mlxrt import AsyncRuntime
+
+    monkeypatch.setenv("FAKE_MODE", "silent")
+
+    async def main() -> None:
+        async with AsyncRuntime(model=tiny_model, transport="stdio", timeouts=Timeouts(token_s=0.5),
+                                _worker_argv=FAKE) as rt:
+            with pytest.raises(MlxrtTimeout, match="MLXRT_TOKEN_TIMEOUT_S"):
+                await asyncio.wait_for(rt.generate("hi", max_tokens=4), 10)
+
+    asyncio.run(main())

@@ -337,21 +337,44 @@ class Stream(_StreamBase):
         self.close()
 
 
+class _Timeout:
+    """Queued by an AsyncStream's watchdog when the worker went quiet too long."""
+
+
 class AsyncStream(_StreamBase):
-    """``async for`` over `Chunk`s; leaving the loop early (or `aclose()`) cancels the request."""
+    """``async for`` over `Chunk`s; leaving the loop early (or `aclose()`) cancels the request.
+
+    The token timeout is one watchdog timer per stream, not a `wait_for` per
+    token: a Task and a timer handle per token would be the HTTP path's
+    largest per-token cost.
+    """
 
     def __init__(self, pool: Pool, model: str | None, req: Generate, keep_alive_s=None) -> None:
         loop = asyncio.get_running_loop()
+        self._loop = loop
         self._q: asyncio.Queue = asyncio.Queue()
+        self._last = time.monotonic()
+        self._watchdog: asyncio.TimerHandle | None = None
         put = self._q.put_nowait
 
         def sink(event: object) -> None:
+            self._last = time.monotonic()
             try:
                 loop.call_soon_threadsafe(put, event)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
         super().__init__(pool, model, req, sink, keep_alive_s)
+
+    def _check_quiet(self) -> None:
+        quiet = time.monotonic() - self._last
+        if self._done:
+            self._watchdog = None
+        elif quiet >= self._token_timeout:
+            self._watchdog = None
+            self._q.put_nowait(_Timeout())
+        else:
+            self._watchdog = self._loop.call_later(self._token_timeout - quiet, self._check_quiet)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -361,14 +384,25 @@ class AsyncStream(_StreamBase):
             try:
                 event = self._q.get_nowait()
             except asyncio.QueueEmpty:
-                try:
-                    event = await asyncio.wait_for(self._q.get(), self._token_timeout)
-                except TimeoutError:
-                    raise self._timeout_error() from None
+                if self._watchdog is None:
+                    self._check_quiet()
+                event = await self._q.get()
+            if type(event) is _Timeout:
+                raise self._timeout_error()
             chunk = _event_to_chunk(event, self)
             if chunk is not None:
                 return chunk
+        self._disarm()
         raise StopAsyncIteration
+
+    def _disarm(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def close(self) -> None:
+        super().close()
+        self._disarm()
 
     async def aclose(self) -> None:
         self.close()
