@@ -39,7 +39,7 @@ except ImportError:  # before the supervisor: dead workers stay dead
 
 PROMPT_IDS = [5, 17, 42, 99, 3, 250]
 CHAT = [{"role": "user", "content": "Tell me about the weather."}]
-OK_STATUSES = {200, 400, 404, 413, 501}
+OK_STATUSES = {200, 400, 404, 413}
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
 
 
@@ -287,17 +287,36 @@ def test_ollama_tags_ps_show_version(oll, http):
     assert http.get("/api/version").json()["version"]
 
 
-def test_ollama_keep_alive_is_validated_and_unload_is_refused(http):
-    """keep_alive durations are accepted, garbage is 400, and an explicit unload says it is unimplemented."""
+def test_ollama_keep_alive_loads_keeps_and_unloads(tiny_model):
+    """keep_alive durations are accepted, garbage is 400; an empty request with keep_alive 0 unloads
+    the model, one without loads it, and the next generation reloads an unloaded model."""
+    srv = ServerThread({"tiny": tiny_model})  # its own: unloading would disturb the shared one
+    srv.url = srv.start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            _exercise_keep_alive(srv, http)
+    finally:
+        srv.stop()
+
+
+def _exercise_keep_alive(srv, http) -> None:
     gen = {"model": "tiny", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}}
-    for value in ("5m", "1h30m", -1, 300, "0", 0):
+    for value in ("5m", "1h30m", 300, -1):
         assert http.post("/api/generate", json={**gen, "keep_alive": value}).status_code == 200, value
     bad = http.post("/api/generate", json={**gen, "keep_alive": "soon"})
     assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
-    load = http.post("/api/generate", json={"model": "tiny"}).json()
+    unload = http.post("/api/chat", json={"model": "tiny", "messages": [], "keep_alive": 0}).json()
+    assert unload["done"] is True and unload["done_reason"] == "unload"
+    assert srv.rt.workers[0].state == "unloaded"
+    load = http.post("/api/generate", json={"model": "tiny", "keep_alive": -1}).json()
     assert load["done"] is True and load["done_reason"] == "load"
-    unload = http.post("/api/chat", json={"model": "tiny", "messages": [], "keep_alive": 0})
-    assert unload.status_code == 501 and "not implemented" in unload.json()["error"]
+    deadline = time.monotonic() + 60
+    while srv.rt.workers[0].state != "ready" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.rt.workers[0].state == "ready"
+    http.post("/api/chat", json={"model": "tiny", "messages": [], "keep_alive": "0"})
+    again = http.post("/api/generate", json={**gen, "keep_alive": -1})
+    assert again.status_code == 200 and again.json()["eval_count"] == 2
     assert parse_keep_alive("1m30s") == 90.0 and parse_keep_alive("-1m") == -60.0
 
 

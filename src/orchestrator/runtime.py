@@ -512,9 +512,13 @@ class Runtime:
         """Stop the model's idle workers now (they reload on the next request); returns how many."""
         return sum(slot.unload() for slot in self._pool.model_slots(model))
 
-    def load(self, model: str | None = None) -> None:
-        """Start the model's unloaded workers in the background."""
+    def load(self, model: str | None = None, keep_alive: float | None = None) -> None:
+        """Start the model's unloaded workers in the background; `keep_alive` as in `stream`."""
+        keep = _keep_alive(keep_alive)
         for slot in self._pool.model_slots(model):
+            if keep is not None:
+                slot.keep_alive_s = keep
+            slot.touch()
             slot.load()
 
     def close(self, drain_s: float = 0.0) -> None:
@@ -601,8 +605,8 @@ class AsyncRuntime:
     def unload(self, model: str | None = None) -> int:
         return self.runtime.unload(model)
 
-    def load(self, model: str | None = None) -> None:
-        self.runtime.load(model)
+    def load(self, model: str | None = None, keep_alive: float | None = None) -> None:
+        self.runtime.load(model, keep_alive)
 
     async def close(self, drain_s: float = 0.0) -> None:
         if self._rt is not None:

@@ -7,13 +7,16 @@ request's wall time in this server, load = 0: models are loaded at start-up).
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9,
 repeat_penalty 1.1 over the last 64 tokens), not mlxrt's greedy ones.
 
-``keep_alive`` is parsed and validated but not acted on: models stay loaded
-for the server's life until the supervisor can unload them. An explicit
-unload request (no prompt, ``keep_alive: 0``) is answered 501, not faked.
+``keep_alive`` goes to the supervisor: after the request the model stays
+loaded that long once idle (negative: forever), ``0`` unloads it when the
+request is done, and a request with no prompt loads (or, with ``0``,
+unloads) the model at once. An unloaded model reloads on its next request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -221,8 +224,9 @@ class OllamaApi:
         prompt = generate_prompt(req)
         params = ollama_params(req.options)
         if not req.prompt:
-            return _loaded(req.model, keep_alive, OllamaGenerateChunk(model=req.model, created_at=iso_now(),
-                                                                      response=""))
+            return await self._load_or_unload(model, keep_alive, OllamaGenerateChunk(
+                model=req.model, created_at=iso_now(), response=""))
+        _keep_alive_param(params, keep_alive)
         gen = await self.svc.start(request, "/api/generate", prompt, model, params, OPTION_NAMES, t0)
         chunk = OllamaGenerateChunk(model=req.model, created_at="", response="")
         if req.stream:
@@ -242,8 +246,9 @@ class OllamaApi:
         params = ollama_params(req.options)
         if not prompt:
             message = OllamaMessageOut(content="")
-            return _loaded(req.model, keep_alive,
-                           OllamaChatChunk(model=req.model, created_at=iso_now(), message=message))
+            return await self._load_or_unload(model, keep_alive, OllamaChatChunk(
+                model=req.model, created_at=iso_now(), message=message))
+        _keep_alive_param(params, keep_alive)
         gen = await self.svc.start(request, "/api/chat", prompt, model, params, OPTION_NAMES, t0)
         chunk = OllamaChatChunk(model=req.model, created_at="", message=OllamaMessageOut(content=""))
         if req.stream:
@@ -252,6 +257,18 @@ class OllamaApi:
         chunk.message.content = text
         chunk.created_at = iso_now()
         _timings(chunk, gen)
+        return json_response(chunk)
+
+    async def _load_or_unload(self, model: str, keep_alive: float | None, chunk: OllamaChunk) -> Response:
+        """Ollama's request with nothing to generate: load the model, or unload it (keep_alive 0)."""
+        if keep_alive == 0:
+            await asyncio.to_thread(self.svc.rt.unload, model)
+            chunk.done_reason = "unload"
+        else:
+            keep = None if keep_alive is None else _runtime_keep_alive(keep_alive)
+            self.svc.rt.load(model, keep)
+            chunk.done_reason = "load"
+        chunk.done = True
         return json_response(chunk)
 
     async def tags(self, request: Request) -> Response:
@@ -294,15 +311,14 @@ class OllamaApi:
                            digest="", details=self._details(name))
 
 
-def _loaded(model: str, keep_alive: float | None, chunk: OllamaChunk) -> Response:
-    """Ollama's "load the model" request (nothing to generate): it is loaded already."""
-    if keep_alive == 0:
-        raise HttpError(501, "keep_alive=0: unloading a model is not implemented yet; "
-                             "models stay loaded until the server stops", param="keep_alive",
-                        code="not_implemented")
-    chunk.done = True
-    chunk.done_reason = "load"
-    return json_response(chunk)
+def _runtime_keep_alive(seconds: float) -> float:
+    """Ollama's negative keep_alive (forever) as the runtime's infinity."""
+    return math.inf if seconds < 0 else seconds
+
+
+def _keep_alive_param(params: dict[str, Any], keep_alive: float | None) -> None:
+    if keep_alive is not None:
+        params["keep_alive"] = _runtime_keep_alive(keep_alive)
 
 
 
