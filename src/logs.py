@@ -4,19 +4,40 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
-
 import structlog
 
 _configured = False
 
 
-def configure(*, json: bool | None = None, level: str = "info", stream: TextIO | None = None) -> None:
-    """Configure structlog once: JSON lines when `stream` is not a terminal, else console."""
+class StderrLogger:
+    """Writes each rendered line to the *current* ``sys.stderr``, and never raises.
+
+    structlog's PrintLogger binds the stream object at configuration time; a
+    stream that is later replaced and closed (pytest's capture, interpreter
+    teardown) would then raise inside background threads, and a thread that
+    dies while reporting a worker's death would strand the requests it was
+    about to fail.
+    """
+
+    def msg(self, message: str) -> None:
+        try:
+            print(message, file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # closed or replaced stream: drop the line
+            pass
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = failure = msg
+
+
+def _logger_factory(*_args: object) -> StderrLogger:
+    return StderrLogger()
+
+
+def configure(*, json: bool | None = None, level: str = "info") -> None:
+    """Configure structlog once: lines on stderr, JSON when stderr is not a terminal."""
     global _configured
     if _configured:
         return
-    stream = stream or sys.stderr
+    stream = sys.stderr
     if json is None:
         json = not stream.isatty()
     renderer = (
@@ -35,7 +56,7 @@ def configure(*, json: bool | None = None, level: str = "info", stream: TextIO |
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=_logger_factory,
         cache_logger_on_first_use=True,
     )
     _configured = True

@@ -395,14 +395,16 @@ class WorkerHandle:
                 error = WorkerDied(f"worker {self.name} (pid {self.pid}) {how}")
             self.death = error
             entries, self._sinks = list(self._sinks.values()), {}
-        self._rx.close()
-        for _, waiter in list(self._pings.items()):
-            waiter[0].set()
-        (log.info if stopping else log.error)(
-            "worker.exit", worker=self.name, pid=self.pid, code=code, error=str(error),
-            in_flight=len(entries), stderr=None if stopping else self._last_stderr(),
-        )
-        self._on_exit(self, error, entries)
+        try:
+            self._rx.close()
+            for _, waiter in list(self._pings.items()):
+                waiter[0].set()
+            (log.info if stopping else log.error)(
+                "worker.exit", worker=self.name, pid=self.pid, code=code, error=str(error),
+                in_flight=len(entries), stderr=None if stopping else self._last_stderr(),
+            )
+        finally:  # whatever happens above, the requests in flight must be ended
+            self._on_exit(self, error, entries)
 
     def _pump_stderr(self) -> None:
         decoder = msgspec.json.Decoder(dict)
