@@ -29,8 +29,13 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
+# make soak: the same set-up, then sustained load with thresholds (docs/soak.md); non-zero exit on a finding.
+SOAK_MINUTES ?= 10
+soak: $(STAMP)
+	$(PY) -m mlxrt soak --model synthetic:small --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
+
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench-results
+	rm -rf $(VENV) build *.egg-info bench-results soak-results

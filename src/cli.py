@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--force", action="store_true", help="rewrite even if the directory is current")
     mk.set_defaults(func=_cmd_make_model)
+
+    from .soak import add_parser as add_soak_parser
+
+    add_soak_parser(sub)
     return parser
 
 
