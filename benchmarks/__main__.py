@@ -79,11 +79,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         listed_peers = [n for n in PEERS if n in only]
         plan.peers = list(dict.fromkeys(listed_peers + (peer_names if peers_given else [])))
         plan.components = "components" in only
-        want_conc = "concurrency" in only or bool(args.concurrency)
+        want_conc = "concurrency" in only or (args.concurrency not in (None, "none", ""))
     else:
         plan.scenarios = list(SCENARIOS)
         plan.peers = peer_names
-        want_conc = bool(args.concurrency)
+        want_conc = args.concurrency not in ("none", "")
     if (plan.scenarios or plan.peers or want_conc) and "native" not in plan.scenarios:
         plan.scenarios.insert(0, "native")  # the baseline and the token reference, concurrency's too
     if want_conc:
@@ -95,10 +95,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             plan.concurrency = []
             plan.skipped["concurrency"] = f"--concurrency {args.concurrency!r}: stream counts must be >= 1"
     else:
-        plan.concurrency_note = (
-            "not in the default suite (about a minute per target on the CPU default); "
-            f"pass --concurrency {DEFAULT_CONCURRENCY} or --only concurrency"
-        )
+        plan.concurrency_note = "not asked for (--concurrency none, or --only without concurrency)"
     return plan
 
 
@@ -118,7 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gen-tokens", type=int, help=f"tokens generated per request (default {DEFAULTS['gen_tokens']})"
     )
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {DEFAULTS['rounds']})")
-    p.add_argument("--concurrency", help=f"streams at once, e.g. {DEFAULT_CONCURRENCY} (default: not run)")
+    p.add_argument(
+        "--concurrency", help=f"streams at once (default {DEFAULT_CONCURRENCY}; none to leave the part out)"
+    )
     p.add_argument("--workers", type=int, default=2, help="workers of the multi-worker concurrency target")
     p.add_argument(
         "--only",
@@ -183,7 +182,9 @@ class Suite:
         self.prompt_roundtrip = False
         self.refs: list[list[int]] = []  # native's tokens, per round
         self.ref: list[int] | None = None  # round 0's
-        self.concurrency_runs: dict[str, list[Run]] = {}
+        self.concurrency_runs: dict[str, dict[int, list[Run]]] = {}  # token-checked targets only
+        self.conc_prompts: dict[int, list[list[int]]] = {}  # streams -> one prompt per stream
+        self.conc_refs: dict[int, list[list[int]]] = {}  # native's tokens for those prompts
         self.checked: dict[str, bool] = {}  # name -> token_checked, kept after close
 
     # -- set-up --
@@ -335,24 +336,42 @@ class Suite:
             if s is not None:
                 targets.append((f"mlxrt-w{w}", s))
         targets += [(n, self.live[n]) for n in ("mlxrt-http", *PEERS) if n in self.live]
+        k = self.args.rounds + 1  # past the end-to-end prompts: no prompt is ever sent twice
+        for n in levels:
+            self.conc_prompts[n] = [
+                make_prompt(self.tokenizer, self.args.prompt_tokens, start=k + i)[0] for i in range(n)
+            ]
+            k += n
         for name, s in targets:
             out["targets"][name] = {}
             for n in levels:
                 self.say(f"concurrency {name}: {n} stream(s)")
                 try:
-                    figures, runs = run_level(s, self.prompt, self.args.gen_tokens, n)
+                    figures, runs = run_level(s, self.conc_prompts[n], self.args.gen_tokens)
                 except Exception as exc:
                     out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
                     self.say(f"skip concurrency {name}: {out['skipped'][name]}")
                     break
                 if getattr(s, "token_checked", True):
-                    self.concurrency_runs.setdefault(name, []).extend(runs)
+                    self.concurrency_runs.setdefault(name, {})[n] = runs
                 out["targets"][name][str(n)] = figures
                 self.say(
                     f"  {report._f(figures['aggregate_tps'])} tok/s aggregate, TTFT median "
                     f"{report._f(figures['ttft_ms']['median'])} ms"
                 )
+        self.concurrency_references()
         return out
+
+    def concurrency_references(self) -> None:
+        """Native's tokens for every concurrency prompt, for the token check of mlxrt's streams."""
+        native = self.live.get("native")
+        if native is None or not self.concurrency_runs:
+            return
+        self.say(
+            f"native references for {sum(len(p) for p in self.conc_prompts.values())} concurrency prompts"
+        )
+        for n, prompts in self.conc_prompts.items():
+            self.conc_refs[n] = [native.run(p, self.args.gen_tokens).tokens for p in prompts]
 
     # -- components --
     def components(self) -> dict[str, Any]:
@@ -449,11 +468,16 @@ class Suite:
             return {"passed": None, "checked": [], "mismatched": [], "why": "native did not run"}
         checked = [n for n, s in scen.items() if s["token_checked"] and n != "native"]
         bad = [n for n in checked if not scen[n].get("tokens", {}).get("identical")]
-        if len(self.ref) == self.args.gen_tokens:  # same request: concurrency streams must match too
-            for n, rs in self.concurrency_runs.items():
-                checked.append(f"{n} under concurrency")
-                if any(r.tokens != self.ref for r in rs):
-                    bad.append(f"{n} under concurrency")
+        for name, levels in self.concurrency_runs.items():  # each stream must get its own prompt's tokens
+            if not all(n in self.conc_refs for n in levels):
+                continue
+            checked.append(f"{name} under concurrency")
+            if any(
+                r.tokens != ref
+                for n, rs in levels.items()
+                for r, ref in zip(rs, self.conc_refs[n], strict=True)
+            ):
+                bad.append(f"{name} under concurrency")
         return {"passed": not bad, "checked": checked, "mismatched": bad}
 
     def document(self, conc: dict[str, Any], comp: dict[str, Any]) -> dict[str, Any]:
@@ -565,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlxrt import logs
 
     # stdout carries the tables and the JSON line: library logs go to stderr, warnings and up.
-    logs.configure(level=os.environ.get("MLXRT_LOG_LEVEL", "warning"), stream=sys.stderr)
+    logs.configure(level=os.environ.get("MLXRT_LOG_LEVEL", "warning"))
     plan = make_plan(args)
     say = report.Progress()
     for name, why in plan.skipped.items():

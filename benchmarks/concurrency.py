@@ -1,9 +1,11 @@
 """N streams at once against one target: aggregate tokens/s and each stream's TTFT.
 
-Every stream is the same request (same prompt ids, greedy, EOS off), sent from
-its own thread at the same moment (a barrier). A worker serves its requests
-one at a time, so with more streams than workers the later ones queue: their
-TTFT includes that wait, and that is what a client sees.
+Every stream sends its own prompt (greedy, EOS off, the same length), from its
+own thread, at the same moment (a barrier). Distinct prompts keep a server's
+prompt cache from serving one stream with another's prefill, and let the
+token check catch streams whose tokens were crossed. A worker serves its
+requests one at a time, so with more streams than workers the later ones
+queue: their TTFT includes that wait, and that is what a client sees.
 """
 
 from __future__ import annotations
@@ -14,15 +16,14 @@ from typing import Any
 from .measure import Run, spread
 
 
-def run_level(
-    scenario: Any, prompt_ids: list[int], gen_tokens: int, streams: int
-) -> tuple[dict[str, Any], list[Run]]:
-    """Run `streams` concurrent requests on `scenario`; return its figures and the runs.
+def run_level(scenario: Any, prompts: list[list[int]], gen_tokens: int) -> tuple[dict[str, Any], list[Run]]:
+    """Run one request per prompt on `scenario`, all at once; return the figures and the runs, in order.
 
     aggregate_tps: all generated tokens over the window from the first request to
     the last token. ttft_ms and latency_s (request to last token): spread over the
     streams, queueing included.
     """
+    streams = len(prompts)
     barrier = threading.Barrier(streams)
     runs: list[Run | None] = [None] * streams
     errors: list[BaseException] = []
@@ -30,7 +31,7 @@ def run_level(
     def one(i: int) -> None:
         barrier.wait()
         try:
-            runs[i] = scenario.run(prompt_ids, gen_tokens)
+            runs[i] = scenario.run(prompts[i], gen_tokens)
         except BaseException as exc:  # reported below, after every thread is joined
             errors.append(exc)
 

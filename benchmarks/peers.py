@@ -306,8 +306,11 @@ class LlamaCpp:
             arr.add(list(ev.get("tokens") or []))
             if ev.get("stop"):
                 timings = ev.get("timings") or {}
-        run = arr.run(prompt_tokens=len(prompt_ids))
+        # The stream leaves out the id of a token whose text is an incomplete UTF-8
+        # sequence; the count comes from the server's own tally instead.
+        run = arr.run(prompt_tokens=len(prompt_ids), n_tokens=timings.get("predicted_n") or None)
         run.engine = {
+            "ids_missing_from_stream": run.n_tokens - len(run.tokens),
             "prompt_tps": timings.get("prompt_per_second"),
             "decode_tps": timings.get("predicted_per_second"),
             "per_token_ms": timings.get("predicted_per_token_ms"),

@@ -198,7 +198,7 @@ def concurrency_table(doc: dict) -> str:
         f" {'latency s median [min-max]':>28}"
     )
     lines = [
-        "concurrency (N identical requests at once; TTFT and latency include queueing behind earlier ones)",
+        "concurrency (N requests at once, a prompt each; TTFT and latency include queueing for the worker)",
         head,
         "-" * len(head),
     ]
@@ -248,9 +248,14 @@ def plot(doc: dict, runs_ttft: dict[str, list[float]], path: Path) -> Path | Non
         hi = [doc["scenarios"][n]["decode_tps"]["max"] - m for n, m in zip(names, med, strict=True)]
         axes[0].bar(names, med, yerr=[lo, hi], capsize=4, color="#4c72b0")
         axes[0].set_ylabel("decode tok/s (median, min-max)")
+        if min(med) > 0 and max(med) / min(med) > 10:  # one engine far ahead: keep the others readable
+            axes[0].set_yscale("log")
         axes[0].tick_params(axis="x", rotation=30)
         data = [[x for x in runs_ttft.get(n, []) if not math.isnan(x)] for n in names]
-        axes[1].boxplot(data, tick_labels=names)
+        try:
+            axes[1].boxplot(data, tick_labels=names)
+        except TypeError:  # matplotlib < 3.9 calls it labels
+            axes[1].boxplot(data, labels=names)
         axes[1].set_ylabel("TTFT ms (per run)")
         axes[1].tick_params(axis="x", rotation=30)
     for name, levels in conc.items():
@@ -260,6 +265,9 @@ def plot(doc: dict, runs_ttft: dict[str, list[float]], path: Path) -> Path | Non
         axes[2].set_xscale("log", base=2)
         axes[2].set_xlabel("concurrent streams")
         axes[2].set_ylabel("aggregate tok/s")
+        tops = [f["aggregate_tps"] for levels in conc.values() for f in levels.values() if f["aggregate_tps"]]
+        if tops and min(tops) > 0 and max(tops) / min(tops) > 10:
+            axes[2].set_yscale("log")
         axes[2].legend(fontsize=8)
     cfg = doc["config"]
     fig.suptitle(f"{cfg['model']} on {doc['env'].get('backend')} @ {doc['env'].get('commit')}", fontsize=10)

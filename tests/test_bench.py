@@ -146,12 +146,16 @@ def test_unknown_names_are_skipped_with_the_reason():
     assert not plan.components and not plan.concurrency
 
 
-def test_default_plan_runs_everything_but_concurrency():
-    """The default suite has every scenario, peer and the components; concurrency only when asked."""
+def test_default_plan_runs_everything():
+    """The default suite has every scenario, peer, the components and concurrency at 1, 4 and 16 streams."""
     plan = bench.make_plan(bench.parse_args([]))
     assert plan.scenarios == list(bench.SCENARIOS) and plan.peers == list(bench.PEERS) and plan.components
-    assert plan.concurrency == [] and "--concurrency" in plan.concurrency_note
-    assert bench.make_plan(bench.parse_args(["--only", "concurrency"])).concurrency == [1, 4, 16]
+    assert plan.concurrency == [1, 4, 16]
+    assert bench.make_plan(bench.parse_args(["--concurrency", "none"])).concurrency == []
+    only = bench.make_plan(bench.parse_args(["--only", "concurrency", "--concurrency", "2,1"]))
+    assert only.concurrency == [1, 2] and only.scenarios == ["native"] and not only.components
+    bad = bench.make_plan(bench.parse_args(["--concurrency", "1,x"]))
+    assert bad.concurrency == [] and "expected numbers" in bad.skipped["concurrency"]
 
 
 def test_unreachable_ollama_is_skipped_with_the_reason(monkeypatch):
@@ -286,6 +290,7 @@ class _Corrupt(Native):
 def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
     """A scenario whose ids differ from native's fails the quality gate: exit 1, status token-mismatch."""
     monkeypatch.setattr(bench, "Embedded", _Corrupt)
+    monkeypatch.setattr("mlxrt.logs.configure", lambda **_kw: None)  # leave this process's logging alone
     code = bench.main(
         [
             "--model",
@@ -304,6 +309,24 @@ def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
     doc = json.loads(out.strip().splitlines()[-1])
     assert code == bench.EXIT_GATE and doc["status"] == "token-mismatch"
     assert doc["gate"]["mismatched"] == ["mlxrt-stdio"] and "QUALITY GATE FAILED" in out
+
+
+def test_crossed_streams_fail_the_gate():
+    """Under concurrency every stream must get its own prompt's tokens: crossed streams fail the gate."""
+    args = bench.parse_args(["--model", "synthetic:tiny"])
+    suite = bench.Suite(args, bench.make_plan(args), lambda _msg: None)
+
+    def run(tokens):
+        return measure.Run(tokens=tokens, prompt_tokens=1, ttft_ms=1.0, decode_tps=1.0, total_s=1.0)
+
+    suite.ref = [9]
+    suite.conc_refs = {2: [[1, 2], [3, 4]]}
+    native = {"native": {"token_checked": True, "tokens": {"identical": True}}}
+    suite.concurrency_runs = {"mlxrt-w2": {2: [run([1, 2]), run([3, 4])]}}
+    assert suite.gate(native)["passed"] is True
+    suite.concurrency_runs = {"mlxrt-w2": {2: [run([3, 4]), run([1, 2])]}}
+    gate = suite.gate(native)
+    assert gate["passed"] is False and gate["mismatched"] == ["mlxrt-w2 under concurrency"]
 
 
 def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
@@ -349,6 +372,7 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
     assert set(comp["worker_loop_us"]) == {"mlxrt-ring", "mlxrt-stdio"}
     targets = doc["concurrency"]["targets"]
     assert set(targets) == {"mlxrt-w1 (ring)", "mlxrt-w2"} and set(targets["mlxrt-w2"]) == {"1", "2"}
+    assert "mlxrt-w2 under concurrency" in doc["gate"]["checked"]
     assert doc["env"]["commit"] and doc["env"]["versions"]["mlx"]
     assert Path(doc["outputs"]["png"]).is_file()
     assert records.read(tsv)[0]["status"] == "keep" and "where the microseconds go" in proc.stdout
