@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,15 +111,20 @@ class _ServerProcess:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self._log = None
 
     def _start(self, argv: list[str]) -> None:
+        # stderr to a file, not a pipe: nobody reads a pipe while we measure, and a
+        # full one would stall the server mid-benchmark.
+        self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _healthy(self.port, self.health_path):
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:]
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")[-2000:]
                 self.close()
                 raise Skipped(f"server exited with {self.proc.returncode}: {err}")
             if time.monotonic() > deadline:
@@ -136,8 +142,9 @@ class _ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 class HttpStream(_ServerProcess):
