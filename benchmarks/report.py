@@ -85,6 +85,9 @@ def _tokens_cell(s: dict) -> str:
     t = s.get("tokens", {})
     if t.get("identical") is True:
         return "same"
+    if t.get("passed") is True:
+        divs = [c["first_divergence"] for c in t.get("per_round", []) if c["first_divergence"] is not None]
+        return f"greedy-valid (ids part from native's at {min(divs)}+)" if divs else "same"
     if t.get("identical") is False:
         return "DIFFERENT"
     if "agree_pct" in t:
@@ -217,8 +220,17 @@ def print_report(doc: dict, out: Any = None) -> None:
     out = out or sys.stdout
     parts = [header(doc), e2e_table(doc), components_table(doc), concurrency_table(doc)]
     gate = doc.get("gate", {})
+    how = ""
+    if gate.get("tolerance_logits") is not None:
+        how = (
+            f" [native diverged from itself at token {gate.get('native_self_divergence')}: every token"
+            f" checked by teacher forcing, within {gate['tolerance_logits']:.3f} logits of the greedy choice]"
+        )
     if gate.get("mismatched"):
-        parts.append("QUALITY GATE FAILED: token ids differ from native in " + ", ".join(gate["mismatched"]))
+        bad = ", ".join(gate["mismatched"])
+        parts.append("QUALITY GATE FAILED: tokens differ from native in " + bad + how)
+    elif gate.get("checked") and how:
+        parts.append("quality gate: greedy-valid tokens in " + ", ".join(gate["checked"]) + how)
     elif gate.get("checked"):
         parts.append("quality gate: token ids identical to native in " + ", ".join(gate["checked"]))
     else:

@@ -321,6 +321,7 @@ def test_crossed_streams_fail_the_gate():
 
     suite.ref = [9]
     suite.conc_refs = {2: [[1, 2], [3, 4]]}
+    suite.conc_prompts = {2: [[7], [8]]}
     native = {"native": {"token_checked": True, "tokens": {"identical": True}}}
     suite.concurrency_runs = {"mlxrt-w2": {2: [run([1, 2]), run([3, 4])]}}
     assert suite.gate(native)["passed"] is True

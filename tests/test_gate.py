@@ -1,0 +1,71 @@
+"""The benchmark's token gate: identity where native is deterministic, teacher forcing where not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.gate import MIN_TOLERANCE, Gate, deficits, first_divergence
+
+
+class FlakyNative:
+    """Native whose repeat run differs from the first at token 5: a nondeterministic backend."""
+
+    def __init__(self, model, tokenizer) -> None:
+        from mlx_lm import stream_generate
+
+        self.model, self._gen, self._tok = model, stream_generate, tokenizer
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        saved = self._tok.eos_token_ids
+        self._tok.eos_token_ids = set()
+        try:
+            return [r.token for r in self._gen(self.model, self._tok, prompt, max_tokens=n)]
+        finally:
+            self._tok.eos_token_ids = saved
+
+    def run(self, prompt: list[int], n: int):
+        tokens = self.greedy(prompt, n)
+        tokens[5] = (tokens[5] + 1) % 2000
+
+        class R:
+            pass
+
+        r = R()
+        r.tokens = tokens
+        return r
+
+
+@pytest.fixture(scope="module")
+def native(reference):
+    return FlakyNative(*reference)
+
+
+def test_first_divergence():
+    """Identical lists have none; otherwise the first differing index or the shorter end."""
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_greedy_tokens_have_near_zero_deficits(native):
+    """Tokens native emitted greedily sit at (or within rounding of) the top logit, teacher-forced."""
+    prompt = [random.Random(1).randrange(10, 2000) for _ in range(40)]
+    tokens = native.greedy(prompt, 24)
+    assert max(deficits(native.model, prompt, tokens)) < MIN_TOLERANCE
+
+
+def test_teacher_forced_gate_passes_greedy_and_fails_crossed_streams(native):
+    """On a nondeterministic native, greedy-valid tokens pass; another prompt's tokens (crossed
+    streams) and a shifted sequence fail."""
+    rng = random.Random(2)
+    a = [rng.randrange(10, 2000) for _ in range(40)]
+    b = [rng.randrange(10, 2000) for _ in range(40)]
+    ref_a, ref_b = native.greedy(a, 24), native.greedy(b, 24)
+    gate = Gate(native, a, ref_a, 24)
+    assert not gate.deterministic and gate.native_self_divergence == 5
+    assert gate.check(a, ref_a, ref_a)["ok"]
+    assert not gate.check(a, ref_b, ref_a)["ok"]  # crossed: b's tokens on a's request
+    assert not gate.check(a, [ref_a[0]] + ref_a[:-1], ref_a)["ok"]  # shifted by one
+    assert not gate.check(a, ref_a[:-3], ref_a)["ok"]  # short
