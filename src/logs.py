@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+
 import structlog
 
 _configured = False

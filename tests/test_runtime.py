@@ -224,3 +224,17 @@ def test_async_runtime_generate_and_stream(tiny_model, reference):
             assert stream.finish_reason == "cancelled"
 
     asyncio.run(main())
+
+
+def test_breaking_out_of_an_async_stream_cancels_it(tiny_model):
+    """Leaving an `async for` early cancels the request in the worker (the stream is collected)."""
+
+    async def main() -> None:
+        async with AsyncRuntime(model=tiny_model, transport="stdio") as rt:
+            before = rt.workers[0].tokens
+            async for _ in rt.stream(PROMPTS[0], max_tokens=400, ignore_eos=True):
+                break
+            await rt.generate(PROMPTS[0], max_tokens=1)  # queued behind the cancelled one
+            assert rt.workers[0].tokens - before - 1 < 400
+
+    asyncio.run(main())

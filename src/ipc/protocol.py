@@ -166,6 +166,12 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
     device: str
 
 
+class Started(msgspec.Struct, tag="started", array_like=True):
+    """The worker began this request (prefill): if it dies now, the request is not replayed."""
+
+    id: int
+
+
 class Tokens(msgspec.Struct, tag="t", array_like=True):
     """Tokens produced since the last frame for one request, with their text."""
 
@@ -212,7 +218,7 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):
     memory: MemoryReport
 
 
-Up = Attached | Ready | Tokens | Done | Failed | Fatal | Pong
+Up = Attached | Ready | Started | Tokens | Done | Failed | Fatal | Pong
 
 
 class Codec:

@@ -7,6 +7,7 @@ EOF between frames is `ChannelClosed`.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import struct
@@ -15,6 +16,14 @@ import threading
 from .channel import MAX_FRAME_BYTES, ChannelClosed, ChannelCorrupt
 
 _LEN = struct.Struct("<I")
+
+
+def _wait(fd: int, events: int, timeout: float | None) -> bool:
+    """Wait until `fd` is ready (or closed); False on timeout. poll, not select: select
+    fails for fds >= 1024, which a server with many sockets reaches."""
+    p = select.poll()
+    p.register(fd, events)
+    return bool(p.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
 
 
 class PipeSender:
@@ -46,7 +55,7 @@ class PipeSender:
                     try:
                         data = data[os.write(self._fd, data) :]
                     except BlockingIOError:
-                        select.select([], [self._fd], [])
+                        _wait(self._fd, select.POLLOUT, None)
             except OSError as exc:
                 raise ChannelClosed(f"peer closed the pipe: {exc}") from exc
 
@@ -90,10 +99,8 @@ class PipeReceiver:
 
     def _fill(self, need: int, timeout: float | None, in_frame: bool) -> None:
         while len(self._buf) < need:
-            if timeout is not None:
-                ready, _, _ = select.select([self._fd], [], [], timeout)
-                if not ready:
-                    raise TimeoutError(f"no frame within {timeout} s")
+            if timeout is not None and not _wait(self._fd, select.POLLIN, timeout):
+                raise TimeoutError(f"no frame within {timeout} s")
             try:
                 chunk = os.read(self._fd, max(65536, need - len(self._buf)))
             except OSError as exc:

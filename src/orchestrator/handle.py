@@ -37,6 +37,7 @@ from ..ipc.protocol import (
     Pong,
     Ready,
     Shutdown,
+    Started,
     Tokens,
     orchestrator_codec,
 )
@@ -52,11 +53,16 @@ Sink = Callable[[object], None]
 
 @dataclass
 class Entry:
-    """A request in flight on a worker: where its events go, and whether any came yet."""
+    """A request in flight on a worker: where its events go, and how far it got."""
 
     req: Generate
     sink: Sink
+    #: The worker began it (Started received): not replayed if the worker dies.
     started: bool = False
+    #: Already replayed once after a crash: never twice.
+    replayed: bool = False
+    #: The caller cancelled it: it ends as cancelled, never replayed.
+    cancelled: bool = False
 
 
 #: on_exit(handle, error, entries): called once from the reader thread when the worker is gone,
@@ -142,6 +148,8 @@ class WorkerHandle:
         self.death: WorkerDied | None = None
         #: Set when the worker is gone: True unless it was asked to stop.
         self.crashed = False
+        #: When its last request ended (monotonic s): idle time counts from here.
+        self.last_done = time.monotonic()
         self._spawn(warmup_tokens, cache_limit_bytes)
 
     # -- life cycle ---------------------------------------------------------
@@ -219,6 +227,7 @@ class WorkerHandle:
             ) from None
         except (ChannelClosed, msgspec.DecodeError) as exc:
             code = self._reap(1.0)
+            self.kill()  # still running after a garbage frame; and either way its fds must go
             raise ModelLoadError(
                 f"worker for model {self.model!r} exited before it was ready "
                 f"(exit code {code}): {self._last_stderr()}"
@@ -269,11 +278,11 @@ class WorkerHandle:
 
     def _close_channels(self) -> None:
         self._tx.close()
-        if not self._reading:  # else the reader thread closes it at EOF
+        if not self._reading:  # else the reader thread closes it (and the ring) at EOF
             self._rx.close()
+            if self._ring is not None:
+                self._ring.close()
         self._stderr_thread.join(5.0)
-        if self._ring is not None:
-            self._ring.close()
 
     def _reap(self, timeout: float) -> int | None:
         try:
@@ -282,13 +291,13 @@ class WorkerHandle:
             return None
 
     # -- requests -----------------------------------------------------------
-    def submit(self, req: Generate, sink: Sink) -> None:
+    def submit(self, req: Generate, sink: Sink, *, replayed: bool = False) -> None:
         """Send a request; events for it go to `sink` from the reader thread."""
         frame = self._codec.encode(req)
         with self._lock:
             if self._state != "ready":
                 raise self.death or WorkerDied(f"worker {self.name} (pid {self.pid}) is {self._state}")
-            self._sinks[req.id] = Entry(req, sink)
+            self._sinks[req.id] = Entry(req, sink, replayed=replayed)
             self._requests += 1
         try:
             self._tx.send(frame)
@@ -303,10 +312,12 @@ class WorkerHandle:
         Safe to call twice or after the request ended.
         """
         with self._lock:
-            if req_id not in self._sinks or self._state != "ready":
+            entry = self._sinks.get(req_id)
+            if entry is None or self._state != "ready":
                 return
+            entry.cancelled = True
             if discard:
-                self._sinks[req_id].sink = _discard
+                entry.sink = _discard
         try:
             self._tx.send(self._codec.encode(Cancel(req_id)))
         except ChannelClosed:
@@ -363,11 +374,15 @@ class WorkerHandle:
                     self._tokens += len(msg.token_ids)
                     entry = sinks.get(msg.id)
                     if entry is not None:
-                        entry.started = True
                         entry.sink(msg)
+                elif type(msg) is Started:
+                    entry = sinks.get(msg.id)
+                    if entry is not None:
+                        entry.started = True
                 elif isinstance(msg, (Done, Failed)):
                     with self._lock:
                         entry = sinks.pop(msg.id, None)
+                        self.last_done = time.monotonic()
                     if entry is not None:
                         entry.sink(msg)
                 elif isinstance(msg, Pong):
@@ -381,6 +396,9 @@ class WorkerHandle:
             self._die(ChannelError(f"worker {self.name} (pid {self.pid}) sent a malformed message: {exc}"))
         except ChannelClosed:
             self._die(None)
+        except BaseException as exc:  # any other failure here must still end the requests in flight
+            why = f"reading its channel failed: {exc!r}"
+            self._die(ChannelError(f"worker {self.name} (pid {self.pid}): {why}"))
 
     def _die(self, error: WorkerDied | None) -> None:
         if error is not None:

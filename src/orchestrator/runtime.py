@@ -353,12 +353,14 @@ class AsyncStream(_StreamBase):
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._q: asyncio.Queue = asyncio.Queue()
-        self._last = time.monotonic()
+        # The sink and the watchdog must not hold the stream itself: an abandoned
+        # stream has to be garbage-collected so that __del__ cancels the request.
+        self._last = last = [time.monotonic()]
         self._watchdog: asyncio.TimerHandle | None = None
         put = self._q.put_nowait
 
         def sink(event: object) -> None:
-            self._last = time.monotonic()
+            last[0] = time.monotonic()
             try:
                 loop.call_soon_threadsafe(put, event)
             except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -367,14 +369,8 @@ class AsyncStream(_StreamBase):
         super().__init__(pool, model, req, sink, keep_alive_s)
 
     def _check_quiet(self) -> None:
-        quiet = time.monotonic() - self._last
-        if self._done:
-            self._watchdog = None
-        elif quiet >= self._token_timeout:
-            self._watchdog = None
-            self._q.put_nowait(_Timeout())
-        else:
-            self._watchdog = self._loop.call_later(self._token_timeout - quiet, self._check_quiet)
+        _check_quiet(weakref.ref(self))
+
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -406,6 +402,21 @@ class AsyncStream(_StreamBase):
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _check_quiet(ref: weakref.ref) -> None:
+    """The watchdog: queue a timeout if the stream's worker went quiet for too long."""
+    self = ref()
+    if self is None or self._done:
+        if self is not None:
+            self._watchdog = None
+        return
+    quiet = time.monotonic() - self._last[0]
+    if quiet >= self._token_timeout:
+        self._watchdog = None
+        self._q.put_nowait(_Timeout())
+    else:
+        self._watchdog = self._loop.call_later(self._token_timeout - quiet, _check_quiet, ref)
 
 
 def _collect(chunks: list[Chunk], stream: _StreamBase) -> Completion:

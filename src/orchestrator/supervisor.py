@@ -58,11 +58,9 @@ class Slot:
         self._loading: WorkerHandle | None = None
         self.state = "starting"
         self._pending: deque[Entry] = deque()
-        self._replayed: set[int] = set()
         self._crashes: deque[float] = deque()
         self._starting = False
         self._closing = False
-        self._unloading = False
         self._failure = ""
         self.restarts = 0
         self.last_used = time.monotonic()
@@ -139,19 +137,18 @@ class Slot:
                 fail += self._record_crash(str(error))
             replacing = crashed and self.state != "failed"
             for e in reversed(entries):  # appendleft: keep their order, ahead of newer requests
-                if replacing and not e.started and e.req.id not in self._replayed:
-                    self._replayed.add(e.req.id)
+                if e.cancelled:
+                    fail.append((e, Done(id=e.req.id, stats=Stats(finish_reason="cancelled"))))
+                elif replacing and not e.started and not e.replayed:
+                    e.replayed = True
                     self._pending.appendleft(e)
                 else:
                     fail.append((e, error))
-            if not crashed and handle is self.handle:  # stopped on purpose: unload or close
+            if not crashed and handle is self.handle:  # stopped on purpose: close
                 self.handle = None
-                self.state = "unloaded" if self._unloading else "stopped"
-                self._unloading = False
-                if self._pending and not self._closing:
-                    self._ensure_starting(0.0)
-        for e, exc in fail:
-            e.sink(exc)
+                self.state = "stopped"
+        for e, event in fail:
+            e.sink(event)
 
     def _record_crash(self, why: str) -> list[tuple[Entry, BaseException]]:
         """Count a crash; restart after a backoff or trip the breaker. Lock held."""
@@ -231,7 +228,7 @@ class Slot:
         log.info("slot.ready", slot=self.name, model=self.model_name, pid=handle.pid, restarts=self.restarts)
         for e in pending:
             try:
-                handle.submit(e.req, e.sink)
+                handle.submit(e.req, e.sink, replayed=e.replayed)
             except WorkerDied as exc:
                 e.sink(exc)
 
@@ -250,7 +247,9 @@ class Slot:
             h = self.handle
             if h is None or not h.alive or h.in_flight or self._pending or self._closing:
                 return False
-            self._unloading = True
+            # Detach it under the lock: a request from now on starts a new worker
+            # instead of reaching this one while it shuts down.
+            self.handle, self.state = None, "unloaded"
         log.info("slot.unload", slot=self.name, model=self.model_name, pid=h.pid)
         h.stop()
         return True
@@ -262,10 +261,11 @@ class Slot:
                 self._ensure_starting(0.0)
 
     def idle_for(self) -> float:
+        """Seconds since the worker last had work (from the end of its last request)."""
         h = self.handle
         if h is None or h.in_flight or self._pending:
             return 0.0
-        return time.monotonic() - self.last_used
+        return time.monotonic() - max(self.last_used, h.last_done)
 
     def memory(self, timeout: float) -> WorkerMemory | None:
         h = self.handle

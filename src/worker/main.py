@@ -47,6 +47,7 @@ from ..ipc.protocol import (
     Pong,
     Ready,
     Shutdown,
+    Started,
     Stats,
     Tokens,
     worker_codec,
@@ -129,6 +130,12 @@ class Outbox:
                 except ChannelClosed as exc:
                     self.failed = exc
                     return
+                except BaseException as exc:  # ring full past its timeout, an oversized frame...
+                    # Frames already drained are lost: the channel can no longer be trusted.
+                    # Dying lets the kernel tell the orchestrator (EOF -> WorkerDied, restart)
+                    # instead of leaving it to wait for tokens that will never come.
+                    print(f"mlxrt worker: writer failed, exiting: {exc!r}", file=sys.stderr, flush=True)
+                    os._exit(3)
             if self._closing and not self._items:
                 return
 
@@ -225,6 +232,7 @@ class Server:
 
     def _run(self, req: Generate, queued_at: float) -> None:
         outbox, req_id, cancelled = self._outbox, req.id, self._cancelled
+        outbox.message(Started(req_id))
         try:
             result = self._engine.generate(
                 req,
