@@ -113,6 +113,8 @@ class Pool:
         self.pressure = "normal"
         self._ids = itertools.count(1)
         self._closed = threading.Event()
+        #: (slot, request id) of streams dropped without close(): cancelled by the monitor thread.
+        self.dropped: queue.SimpleQueue = queue.SimpleQueue()
         targets = {name: resolve_model(ref) for name, ref in models.items()}
         self.slots: dict[str, list[Slot]] = {}
         for name, target in targets.items():
@@ -171,11 +173,22 @@ class Pool:
         return slot
 
     def _watch(self) -> None:
-        """Once a tick: unload idle workers, apply the memory-pressure policy."""
+        """Cancel dropped streams at once; once a tick, unload idle workers and apply the
+        memory-pressure policy."""
         interval = self.supervision.monitor_interval_s
         last_clear = 0.0
+        next_tick = time.monotonic() + interval
         read_level = self.supervision.memory_level or _memory_level
-        while not self._closed.wait(interval):
+        while not self._closed.is_set():
+            try:
+                item = self.dropped.get(timeout=max(0.0, next_tick - time.monotonic()))
+            except queue.Empty:
+                item = None
+            if item is not None:
+                if item[0] is not None:
+                    item[0].cancel(item[1], discard=True)
+                continue
+            next_tick = time.monotonic() + interval
             for slot in self.all():
                 keep = slot.keep_alive_s
                 if keep is not None and slot.idle_for() > keep:
@@ -195,6 +208,7 @@ class Pool:
     def close(self, drain_s: float = 0.0) -> None:
         """Stop every worker (in parallel); idempotent."""
         self._closed.set()
+        self.dropped.put((None, 0))  # wake the monitor thread so it sees the close
         threads = [threading.Thread(target=s.close, args=(drain_s,)) for s in self.all()]
         for t in threads:
             t.start()
@@ -268,6 +282,7 @@ class _StreamBase:
         self.stats = None
         self._done = False
         self._token_timeout = pool.timeouts.token_s
+        self._dropped = pool.dropped
         self._slot = pool.submit(model, req, sink, keep_alive_s)
 
     @property
@@ -299,10 +314,11 @@ class _StreamBase:
         )
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+        # A stream dropped mid-way (e.g. a break out of its loop) is cancelled. Not here:
+        # __del__ may run at any allocation, even in a thread holding the locks cancel()
+        # needs; SimpleQueue.put is safe there, and the pool's monitor thread does the rest.
+        if not getattr(self, "_done", True) and hasattr(self, "_slot"):
+            self._dropped.put((self._slot, self.id))
 
 
 class Stream(_StreamBase):

@@ -200,6 +200,12 @@ class Slot:
             handle = self._spawn(self._on_exit)
             with self._lock:
                 self._loading = handle
+                closing = self._closing
+            if closing:  # close() ran while we spawned: it could not see this worker
+                handle.kill()
+                with self._lock:
+                    self._loading, self._starting = None, False
+                return
             handle.wait_ready()
         except Exception as exc:  # load errors, timeouts, spawn failures: all count as a crash
             with self._lock:
