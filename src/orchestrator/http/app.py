@@ -18,7 +18,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -148,6 +148,19 @@ class Generation:
         self.tokens = len(ids)
         self.finish(self.finish_reason)
         return "".join(texts), ids
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The first chunk (awaited before the response began), then the rest, counting
+        tokens sent; the stream is closed at the end (and by `on_close` if the client goes)."""
+        try:
+            if self.first is not None:
+                self.tokens += len(self.first.tokens)
+                yield self.first
+            async for c in self.stream:
+                self.tokens += len(c.tokens)
+                yield c
+        finally:
+            self.stream.close()
 
     def on_close(self, gone: bool) -> None:
         """`EventStream`'s end: disconnected, failed (no stats), or finished as the worker said."""

@@ -325,22 +325,13 @@ def _keep_alive_param(params: dict[str, Any], keep_alive: float | None) -> None:
 async def generate_events(gen: Generation, chunk: OllamaGenerateChunk) -> AsyncIterator[bytes]:
     """NDJSON lines of a streamed /api/generate; the same Struct is re-encoded per chunk."""
     try:
-        first = gen.first
-        if first is not None:
-            chunk.response = first.text
-            chunk.created_at = iso_now()
-            gen.tokens += len(first.tokens)
-            yield _line(chunk)
-        async for c in gen.stream:
+        async for c in gen.chunks():
             chunk.response = c.text
             chunk.created_at = iso_now()
-            gen.tokens += len(c.tokens)
             yield _line(chunk)
     except MlxrtError as exc:
         yield _error_line(exc)
         return
-    finally:
-        gen.stream.close()
     chunk.response = ""
     chunk.created_at = iso_now()
     _timings(chunk, gen)
@@ -351,22 +342,13 @@ async def chat_events(gen: Generation, chunk: OllamaChatChunk) -> AsyncIterator[
     """NDJSON lines of a streamed /api/chat."""
     message = chunk.message
     try:
-        first = gen.first
-        if first is not None:
-            message.content = first.text
-            chunk.created_at = iso_now()
-            gen.tokens += len(first.tokens)
-            yield _line(chunk)
-        async for c in gen.stream:
+        async for c in gen.chunks():
             message.content = c.text
             chunk.created_at = iso_now()
-            gen.tokens += len(c.tokens)
             yield _line(chunk)
     except MlxrtError as exc:
         yield _error_line(exc)
         return
-    finally:
-        gen.stream.close()
     message.content = ""
     chunk.created_at = iso_now()
     _timings(chunk, gen)

@@ -208,24 +208,14 @@ async def completion_events(
     chunk = Completion(id=rid, created=created, model=gen.model, choices=[choice],
                        usage=None if usage else msgspec.UNSET)
     try:
-        first = gen.first
-        if first is not None:
-            choice.text = first.text
-            if token_ids:
-                choice.token_ids = first.tokens
-            gen.tokens += len(first.tokens)
-            yield _sse(chunk)
-        async for c in gen.stream:
+        async for c in gen.chunks():
             choice.text = c.text
             if token_ids:
                 choice.token_ids = c.tokens
-            gen.tokens += len(c.tokens)
             yield _sse(chunk)
     except MlxrtError as exc:
         yield _error_event(exc)
         return
-    finally:
-        gen.stream.close()
     choice.text = ""
     choice.finish_reason = gen.finish_reason
     if token_ids:
@@ -251,24 +241,16 @@ async def chat_events(
             choice.token_ids = []
         yield _sse(chunk)
         delta.role = None
-        first = gen.first
-        if first is not None:
-            delta.content = first.text
-            if token_ids:
-                choice.token_ids = first.tokens
-            gen.tokens += len(first.tokens)
-            yield _sse(chunk)
-        async for c in gen.stream:
+        async for c in gen.chunks():
             delta.content = c.text
             if token_ids:
                 choice.token_ids = c.tokens
-            gen.tokens += len(c.tokens)
             yield _sse(chunk)
     except MlxrtError as exc:
         yield _error_event(exc)
         return
     finally:
-        gen.stream.close()
+        gen.stream.close()  # also when the role chunk was the last thing sent
     delta.content = None
     choice.finish_reason = gen.finish_reason
     if token_ids:
