@@ -18,7 +18,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +37,7 @@ from ..runtime import AsyncRuntime, AsyncStream, Chunk
 from .config import ServerConfig
 from .errors import HttpError, body_for, from_decode_error, from_runtime_error, from_value_error
 from .metrics import Metrics
-from .schemas import ENCODER, Health, ModelHealth, WorkerState
+from .schemas import ENCODER, Health, ModelHealth
 from .streaming import ClientGone, until_disconnect
 
 log = structlog.get_logger("mlxrt.http")
@@ -137,17 +137,22 @@ class Generation:
                 texts.append(c.text)
                 ids.extend(c.tokens)
 
+        await self.unless_gone(receive, drain())
+        self.tokens = len(ids)
+        self.finish(self.finish_reason)
+        return "".join(texts), ids
+
+    async def unless_gone(self, receive, work: Awaitable[T]) -> T:
+        """Await `work` unless the client disconnects first; a disconnect or a runtime error
+        is recorded as this generation's outcome and re-raised (as an HTTP error)."""
         try:
-            await until_disconnect(receive, drain())
+            return await until_disconnect(receive, work)
         except ClientGone:
             self.finish("disconnected")
             raise
         except MlxrtError as exc:
             self.finish("error")
             raise from_runtime_error(exc) from exc
-        self.tokens = len(ids)
-        self.finish(self.finish_reason)
-        return "".join(texts), ids
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The first chunk (awaited before the response began), then the rest, counting
@@ -250,14 +255,7 @@ class Service:
         except MlxrtError as exc:
             raise from_runtime_error(exc) from None
         gen = Generation(self, endpoint, model, stream, t0)
-        try:
-            gen.first = await until_disconnect(request.receive, _first(stream))
-        except ClientGone:
-            gen.finish("disconnected")
-            raise
-        except MlxrtError as exc:
-            gen.finish("error")
-            raise from_runtime_error(exc) from exc
+        gen.first = await gen.unless_gone(request.receive, _first(stream))
         gen.ttft_s = time.perf_counter() - t0
         return gen
 
@@ -290,7 +288,7 @@ def health_of(rt: AsyncRuntime) -> tuple[bool, Health]:
     models: dict[str, ModelHealth] = {name: ModelHealth(ready=0, workers=[]) for name in rt.models}
     for w in rt.workers:
         entry = models.setdefault(w.model, ModelHealth(ready=0, workers=[]))
-        entry.workers.append(WorkerState(**{f: getattr(w, f) for f in WorkerState.__struct_fields__}))
+        entry.workers.append(w)
         if w.state in SERVING_STATES:
             entry.ready += 1
     ok = bool(models) and all(m.ready for m in models.values())

@@ -13,7 +13,7 @@ Extensions, spelt as vLLM spells them: ``top_k``, ``min_p``,
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -217,15 +217,8 @@ async def completion_events(
         yield _error_event(exc)
         return
     choice.text = ""
-    choice.finish_reason = gen.finish_reason
-    if token_ids:
-        choice.token_ids = []
-    yield _sse(chunk)
-    if usage:
-        chunk.choices = []
-        chunk.usage = usage_of(gen)
-        yield _sse(chunk)
-    yield _DONE
+    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids):
+        yield event
 
 
 async def chat_events(
@@ -252,6 +245,14 @@ async def chat_events(
     finally:
         gen.stream.close()  # also when the role chunk was the last thing sent
     delta.content = None
+    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids):
+        yield event
+
+
+def _final_events(
+    gen: Generation, chunk: Any, choice: Any, *, usage: bool, token_ids: bool
+) -> Iterator[bytes]:
+    """A stream's end: the chunk with the finish reason, the usage chunk if asked, [DONE]."""
     choice.finish_reason = gen.finish_reason
     if token_ids:
         choice.token_ids = []

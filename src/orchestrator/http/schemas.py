@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from ..handle import WorkerInfo
+
 #: Bounds checked while decoding; the sampling rules themselves live in `SamplingParams.validate`.
 Int = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Float = Annotated[float, Meta(ge=-1e6, le=1e6)]
@@ -340,21 +342,11 @@ class OllamaVersion(Struct):
 # ---- health -----------------------------------------------------------------
 
 
-class WorkerState(Struct, kw_only=True):
-    name: str
-    pid: int
-    model: str
-    state: str
-    transport: str
-    in_flight: int
-    requests: int
-    tokens: int
-    restarts: int
 
 
 class ModelHealth(Struct, kw_only=True):
     ready: int
-    workers: list[WorkerState]
+    workers: list[WorkerInfo]  # msgspec encodes the runtime's dataclass as is
 
 
 class Health(Struct, kw_only=True):
