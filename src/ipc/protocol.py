@@ -20,7 +20,7 @@ import msgspec
 
 from .ring import RingSpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -88,6 +88,33 @@ def _check(ok: bool, field: str, rule: str, value: object) -> None:
         raise ValueError(f"invalid {field}={value!r}: {rule}")
 
 
+DEFAULT_DECODE_CONCURRENCY = 16
+DEFAULT_PROMPT_CONCURRENCY = 8
+DEFAULT_PREFILL_STEP_SIZE = 2048
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+
+
+class EngineOptions(msgspec.Struct, kw_only=True):
+    """How a worker batches and caches; names follow `mlx_lm.server`'s flags."""
+
+    #: Most sequences decoded together (mlx_lm.server --decode-concurrency).
+    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
+    #: Most prompts prefilled together (mlx_lm.server --prompt-concurrency).
+    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
+    #: Prompt tokens per prefill step (mlx_lm.server --prefill-step-size).
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
+    #: Byte cap of the prefix cache; 0 turns prefix reuse off (mlx_lm.server --prompt-cache-bytes).
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+
+    def validate(self) -> EngineOptions:
+        """Raise `ValueError` naming the first bad field; return self."""
+        _check(self.decode_concurrency >= 1, "decode_concurrency", "must be >= 1", self.decode_concurrency)
+        _check(self.prompt_concurrency >= 1, "prompt_concurrency", "must be >= 1", self.prompt_concurrency)
+        _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
+        _check(self.prompt_cache_bytes >= 0, "prompt_cache_bytes", "must be >= 0", self.prompt_cache_bytes)
+        return self
+
+
 class Stats(msgspec.Struct, kw_only=True):
     """One request's figures, measured in the worker."""
 
@@ -100,6 +127,10 @@ class Stats(msgspec.Struct, kw_only=True):
     queue_ms: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str = "stop"
+    #: Prompt tokens served from the worker's prefix cache (not prefilled again).
+    cached_tokens: int = 0
+    #: Mean number of sequences decoded together over this request's decode steps.
+    mean_batch_size: float = 0.0
 
 
 # ---- orchestrator -> worker -------------------------------------------------
@@ -113,6 +144,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
     warmup_tokens: int = 4
     cache_limit_bytes: int | None = None
     ring: RingSpec | None = None
+    engine: EngineOptions | None = None
 
 
 class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
@@ -213,9 +245,22 @@ class MemoryReport(msgspec.Struct, kw_only=True):
     rss_bytes: int = 0
 
 
+class EngineReport(msgspec.Struct, kw_only=True):
+    """A worker's engine at one instant: its queue, its batch and its prefix cache."""
+
+    queued: int = 0
+    batch_size: int = 0
+    prompt_cache_bytes: int = 0
+    prompt_cache_entries: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    cached_tokens_total: int = 0
+
+
 class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):
     seq: int
     memory: MemoryReport
+    engine: EngineReport | None = None
 
 
 Up = Attached | Ready | Started | Tokens | Done | Failed | Fatal | Pong
