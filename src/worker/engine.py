@@ -1,32 +1,71 @@
-"""The worker's inner loop: load a model with mlx-lm and generate, in-process.
+"""The worker's inner loop: load a model with mlx-lm and generate many requests at once, in-process.
 
 `Engine` knows nothing of processes or transports. The worker process
 (`mlxrt.worker.main`) runs one behind a pipe or a ring; tests and benchmarks
-run one in-process, which is also the native baseline. Generation is
-mlx-lm's own `generate_step` with its samplers, logits processors and
-streaming detokenizer, driven token by token so that stop conditions and
-cancellation are checked between tokens.
+run one in-process, which is also the native baseline.
+
+::
+
+    submit(req) -> tokenize, check -> waiting -> admit (room in the batch) -> mlx-lm BatchGenerator
+                   (fails alone)                  prefix cache: the longest       step(): one decode step
+    cancel(id) ------------------------------>    cached prefix is served,        for every running seq,
+                                                  the rest prefilled in segments  one prefill chunk for new ones
+                                                                                       |
+                         listener.started / token / done / failed  <-------------------+
+
+Continuous batching is mlx-lm's `BatchGenerator`: a request joins the running
+batch at the next step and leaves it as soon as it finishes or is cancelled.
+Sampling, logits processors, stop ids and the detokenizer are mlx-lm's, per
+sequence; `sequence.py` holds the little that is written here by hand. A
+request that fails a check fails alone, before it reaches the batch; a
+failure inside a batch step fails the requests in that batch and the batch
+is rebuilt, with MLX's random state reseeded.
+
+Prefix reuse: a finished sequence's cache is kept in `PrefixCache` under its
+tokens. Where every layer's cache can be trimmed (`KVCache`), a later prompt
+reuses the longest shared prefix of any kept sequence. Where some cannot
+(sliding-window `RotatingKVCache`, linear-attention `ArraysCache`), the
+prompt is inserted in segments (mlx-lm's `insert_segments`) and a checkpoint
+is kept at each boundary a later request can share: the end of the chat's
+system prompt and the end of the prompt; a later turn of the same chat
+starts from the latter.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream, wired_limit
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.utils import load
 
-from ..ipc.protocol import Generate, MemoryReport, SamplingParams, Stats
+from ..ipc.protocol import (
+    ChatMessage,
+    EngineOptions,
+    EngineReport,
+    Generate,
+    MemoryReport,
+    SamplingParams,
+    Stats,
+)
+from .prefix_cache import PrefixCache
+from .sequence import (
+    EmitFn,
+    Listener,
+    Sequence,
+    TextStream,
+    check_sampler,
+    make_request_processors,
+    make_request_sampler,
+    reseed,
+)
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
 WARMUP_PROMPT = "Warm up the kernels."
-
-#: emit(token_id, text_delta) is called once per generated token, on the engine's thread.
-EmitFn = Callable[[int, str], None]
 
 
 class PromptTooLongError(ValueError):
@@ -35,6 +74,10 @@ class PromptTooLongError(ValueError):
 
 class NoChatTemplateError(ValueError):
     """Chat messages were sent to a model whose tokenizer has no chat template."""
+
+
+class BatchStepError(RuntimeError):
+    """A batch step failed; every request in that batch fails with this."""
 
 
 def resolve_model_path(model: str) -> str:
@@ -56,19 +99,107 @@ class Result:
 
 
 class Engine:
-    """One loaded model; `generate` must be called from one thread at a time."""
+    """One loaded model serving many requests in one batch; every method runs on one thread."""
 
-    def __init__(self, model: str, *, cache_limit_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        cache_limit_bytes: int | None = None,
+        options: EngineOptions | None = None,
+    ) -> None:
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
+        self.options = (options or EngineOptions()).validate()
         path = resolve_model_path(model)
         self.model, self.tokenizer, config = load(path, return_config=True)
         self.path = path
         self.context_length = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
         self.vocab_size = int(config.get("vocab_size") or 0)
+        self.trimmable = can_trim_prompt_cache(make_prompt_cache(self.model))
+        self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
+        self._eos = tuple(self.tokenizer.eos_token_ids)
+        self._batch = self._new_batch()
+        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
+
+    # -- the public surface ---------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    def submit(self, req: Generate, listener: Listener, *, queued_at: float | None = None) -> None:
+        """Check and tokenize `req` and queue it for the batch; a bad request fails at once, alone."""
+        try:
+            seq = self._sequence(req, listener, queued_at or time.perf_counter())
+        except Exception as exc:
+            listener.failed(req.id, exc)
+            return
+        self._waiting.append(seq)
+
+    def cancel(self, req_id: int) -> bool:
+        """End `req_id` as cancelled, wherever it is; False if it is not here."""
+        for seq in self._waiting:
+            if seq.req.id == req_id:
+                self._waiting.remove(seq)
+                seq.listener.done(req_id, seq.stats("cancelled"), "")
+                return True
+        for seq in list(self._running.values()):
+            if seq.req.id == req_id:
+                self._batch.remove([seq.uid])
+                self._finish(seq, "cancelled")
+                return True
+        return False
+
+    def cancel_all(self) -> None:
+        """End every request, waiting or running, as cancelled."""
+        for seq in [*self._waiting, *self._running.values()]:
+            self.cancel(seq.req.id)
+
+    def step(self) -> None:
+        """Admit waiting requests, then run one batch step: a decode step and a prefill chunk."""
+        self._admit()
+        if not self._running:
+            return
+        try:
+            prompt_responses, gen_responses = self._batch.next()
+        except Exception as exc:
+            reseed()
+            self._fail_batch(exc)
+            return
+        for r in prompt_responses:
+            if r.end_of_segment and not r.end_of_prompt:
+                self._checkpoint(self._running[r.uid])
+        self._deliver(gen_responses)
+
+    def generate(
+        self,
+        req: Generate,
+        emit: EmitFn,
+        should_stop=lambda: False,
+        *,
+        queued_at: float | None = None,
+    ) -> Result:
+        """Run `req` to its end (with whatever else is in the batch), calling `emit` per token."""
+        box = _Collector(emit)
+        self.submit(req, box, queued_at=queued_at)
+        while box.stats is None and box.error is None:
+            if should_stop():
+                self.cancel(req.id)
+            self.step()
+        if box.error is not None:
+            raise box.error
+        assert box.stats is not None
+        return Result(stats=box.stats, tail_text=box.tail)
+
+    def report(self) -> EngineReport:
+        """The queue, the batch and the prefix cache, now (safe to read from another thread)."""
+        report = EngineReport(queued=len(self._waiting), batch_size=len(self._running))
+        return self.prefix_cache.report(report)
 
     def memory(self) -> MemoryReport:
         """MLX's allocator counters and this process's RSS, bytes."""
@@ -82,7 +213,8 @@ class Engine:
         )
 
     def clear_cache(self) -> None:
-        """Return MLX's cached buffers to the system."""
+        """Drop the prefix cache, then return MLX's cached buffers to the system."""
+        self.prefix_cache.clear()
         mx.clear_cache()
 
     def warmup(self, tokens: int) -> None:
@@ -90,14 +222,12 @@ class Engine:
         if tokens <= 0:
             return
         t0 = time.perf_counter()
-        req = Generate(
-            id=0,
-            prompt=WARMUP_PROMPT,
-            params=SamplingParams(max_tokens=tokens, ignore_eos=True),
-        )
+        req = Generate(id=-1, prompt=WARMUP_PROMPT, params=SamplingParams(max_tokens=tokens, ignore_eos=True))
         self.generate(req, lambda _t, _s: None)
+        self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
         self.warmup_s = time.perf_counter() - t0
 
+    # -- a request's way in ----------------------------------------------------
     def prompt_ids(self, req: Generate) -> list[int]:
         """The request's prompt as token ids: text as is, ids as given, messages templated."""
         if req.prompt_ids is not None:
@@ -106,10 +236,7 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}")
         elif req.messages is not None:
-            if not self.tokenizer.has_chat_template:
-                raise NoChatTemplateError(f"model {self.path} has no chat template")
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            ids = list(self._apply_template(req.messages, add_generation_prompt=True))
         elif req.prompt is not None:
             tok = self.tokenizer
             # Same rule as mlx_lm.stream_generate, so raw prompts tokenize identically.
@@ -126,143 +253,174 @@ class Engine:
             )
         return ids
 
-    def generate(
-        self,
-        req: Generate,
-        emit: EmitFn,
-        should_stop: Callable[[], bool] = lambda: False,
-        *,
-        queued_at: float | None = None,
-    ) -> Result:
-        """Generate for one request, calling `emit` per token; return stats and unsent text."""
-        t_start = time.perf_counter()
+    def _apply_template(self, messages, **kwargs) -> list[int]:
+        if not self.tokenizer.has_chat_template:
+            raise NoChatTemplateError(f"model {self.path} has no chat template")
+        return self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], **kwargs
+        )
+
+    def _system_end(self, req: Generate, ids: list[int]) -> int:
+        """Where the chat's leading system messages end in `ids` (0: none, or not a chat)."""
+        messages = req.messages or []
+        n = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+        if n == 0 or n == len(messages):
+            return 0
+        head = self._apply_template([*messages[:n], ChatMessage("user", "")], add_generation_prompt=False)
+        pairs = enumerate(zip(head, ids, strict=False))
+        end = next((i for i, (a, b) in pairs if a != b), min(len(head), len(ids)))
+        return end if 0 < end < len(ids) - 1 else 0
+
+    def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
         p = req.params
+        if p.top_k and self.vocab_size and p.top_k > self.vocab_size:
+            raise ValueError(
+                f"invalid top_k={p.top_k}: must be <= the model's vocabulary ({self.vocab_size})"
+            )
         ids = self.prompt_ids(req)
-        max_tokens = min(p.max_tokens, self.context_length - len(ids))
-        stop_ids = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids |= set(self.tokenizer.eos_token_ids)
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        mx.reset_peak_memory()
-        steps = generate_step(
-            mx.array(ids),
+        sampler = make_request_sampler(p)
+        check_sampler(sampler, self.vocab_size)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos))
+        checkpoints = not self.trimmable and self.prefix_cache.enabled
+        return Sequence(
+            req=req,
+            ids=ids,
+            system_end=self._system_end(req, ids) if checkpoints and req.messages else 0,
+            max_tokens=min(p.max_tokens, self.context_length - len(ids)),
+            stop=StopSequences([(t,) for t in sorted(stop_ids)]),
+            sampler=sampler,
+            processors=make_request_processors(p),
+            text=TextStream(self.tokenizer.detokenizer, p.stop, lambda t, s: listener.token(req.id, t, s)),
+            queued_at=queued_at,
+            listener=listener,
+        )
+
+    def _admit(self) -> None:
+        room = self.options.decode_concurrency - len(self._running)
+        while room > 0 and self._waiting:
+            seq = self._waiting.popleft()
+            room -= 1
+            if not self._running:
+                mx.reset_peak_memory()
+            try:
+                self._insert(seq)
+            except Exception as exc:
+                seq.listener.failed(seq.req.id, exc)
+
+    def _insert(self, seq: Sequence) -> None:
+        cache, n = self.prefix_cache.fetch(seq.ids)
+        seq.cached_tokens = n
+        segments, kinds = _segments(seq.ids, n, seq.system_end, checkpoints=not self.trimmable)
+        (seq.uid,) = self._batch.insert_segments(
+            [segments],
+            max_tokens=[seq.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[seq.ids[:n]],
+            samplers=[seq.sampler],
+            logits_processors=[seq.processors],
+            stop_sequences=[seq.stop],
+        )
+        seq.checkpoint_kinds = kinds
+        seq.admitted_at = time.perf_counter()
+        self._running[seq.uid] = seq
+        seq.listener.started(seq.req.id)
+
+    # -- a step's results ------------------------------------------------------
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Keep the cache at the prompt boundary just reached (non-trimmable caches only)."""
+        if not seq.checkpoint_kinds:
+            return
+        kind = seq.checkpoint_kinds.pop()
+        for cache, tokens in self._batch.extract_cache([seq.uid]).values():
+            self.prefix_cache.insert(tokens, cache, kind)
+
+    def _deliver(self, responses: list) -> None:
+        now, size = time.perf_counter(), len(responses)
+        ended: list[Sequence] = []
+        for r in responses:
+            seq = self._running[r.uid]
+            seq.first_at = seq.first_at or now
+            seq.last_at = now
+            seq.steps += 1
+            seq.batch_size_sum += size
+            if r.finish_reason == "stop":  # a stop id: not part of the reply
+                self._finish(seq, "stop", r.prompt_cache, r.all_tokens)
+                continue
+            seq.generated += 1
+            if seq.text.add(r.token):
+                if r.finish_reason is None:
+                    ended.append(seq)
+                else:
+                    self._finish(seq, "stop", r.prompt_cache, r.all_tokens)
+            elif r.finish_reason == "length":
+                self._finish(seq, "length", r.prompt_cache, r.all_tokens)
+        if ended:  # stop strings: mlx-lm does not know them, so take these out of the batch
+            caches = self._batch.remove(
+                [s.uid for s in ended], return_prompt_caches=self.prefix_cache.enabled
+            )
+            for seq in ended:
+                self._finish(seq, "stop", *caches.get(seq.uid, (None, None)))
+
+    def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
+        del self._running[seq.uid]
+        if cache is not None and reason != "cancelled":
+            self.prefix_cache.insert(tokens, cache, "assistant")
+        seq.listener.done(seq.req.id, seq.stats(reason), seq.text.finish())
+
+    def _fail_batch(self, exc: Exception) -> None:
+        """A step raised: the batch's caches can no longer be trusted; fail its requests, rebuild it."""
+        error = BatchStepError(f"batch step failed: {exc!r}")
+        error.__cause__ = exc
+        running, self._running = list(self._running.values()), {}
+        self._batch.close()
+        self._batch = self._new_batch()
+        for seq in running:
+            seq.listener.failed(seq.req.id, error)
+
+    def _new_batch(self) -> BatchGenerator:
+        o = self.options
+        return BatchGenerator(
             self.model,
-            max_tokens=max_tokens,
-            sampler=_sampler(p),
-            logits_processors=_processors(p),
+            completion_batch_size=o.decode_concurrency,
+            prefill_batch_size=o.prompt_concurrency,
+            prefill_step_size=o.prefill_step_size,
         )
-        text = _TextStream(self.tokenizer.detokenizer, p.stop, emit)
-        finish, n, t_first, t_last = "length", 0, t_start, t_start
-        with wired_limit(self.model, [generation_stream]):
-            for token, _ in steps:
-                t_last = time.perf_counter()
-                if n == 0:
-                    t_first = t_last
-                if token in stop_ids:
-                    finish = "stop"
-                    break
-                n += 1
-                if text.add(token):
-                    finish = "stop"
-                    break
-                if should_stop():
-                    finish = "cancelled"
-                    break
-        stats = Stats(
-            prompt_tokens=len(ids),
-            prompt_tps=len(ids) / max(t_first - t_start, 1e-9),
-            ttft_ms=(t_first - t_start) * 1e3,
-            generation_tokens=n,
-            decode_tps=(n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else 0.0,
-            decode_ms=(t_last - t_first) * 1e3,
-            queue_ms=(t_start - queued_at) * 1e3 if queued_at is not None else 0.0,
-            peak_memory_bytes=int(mx.get_peak_memory()),
-            finish_reason=finish,
-        )
-        return Result(stats=stats, tail_text=text.finish())
 
 
-class _TextStream:
-    """Feeds tokens to mlx-lm's streaming detokenizer and emits text deltas.
+def _segments(ids: list[int], cached: int, system_end: int, *, checkpoints: bool) -> tuple[list, list[str]]:
+    """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
 
-    With stop strings, text that could still become a stop string is held back
-    until it cannot; the text before the first stop string is all that is sent.
+    mlx-lm splits the last token off into a segment of its own, so the end of
+    the prompt before it is a boundary too ("user": the next turn of this chat
+    starts with this whole prompt).
     """
+    if not checkpoints:
+        return [ids[cached:]], []
+    if cached < system_end:
+        return [ids[cached:system_end], ids[system_end:]], ["user", "system"]
+    return [ids[cached:]], ["user"]
 
-    def __init__(self, detokenizer, stop: list[str], emit: EmitFn) -> None:
-        detokenizer.reset()
-        self._detok = detokenizer
+
+class _Collector:
+    """A listener for one in-process request: passes tokens on, keeps the end."""
+
+    def __init__(self, emit: EmitFn) -> None:
         self._emit = emit
-        self._stop = stop
-        self._longest = max((len(s) for s in stop), default=0)
-        self._text = ""
-        self._sent = 0
-        self._stopped = False
+        self.stats: Stats | None = None
+        self.tail = ""
+        self.error: BaseException | None = None
 
-    def add(self, token: int) -> bool:
-        """Emit the token and its text; return True when a stop string was hit."""
-        self._detok.add_token(token)
-        delta = self._detok.last_segment
-        if not self._stop:
-            self._emit(token, delta)
-            return False
-        search_from = max(0, len(self._text) - self._longest + 1)
-        self._text += delta
-        hit = _first_stop(self._text, self._stop, search_from)
-        if hit is not None:
-            self._stopped = True
-            self._emit(token, self._text[self._sent : hit])
-            self._sent = len(self._text)
-            return True
-        safe = len(self._text) - _held_back(self._text, self._stop)
-        self._emit(token, self._text[self._sent : safe])
-        self._sent = max(self._sent, safe)
-        return False
+    def started(self, req_id: int) -> None:
+        pass
 
-    def finish(self) -> str:
-        """Flush the detokenizer; return text not yet emitted (none after a stop string)."""
-        if self._stopped:
-            return ""
-        self._detok.finalize()
-        rest = self._detok.last_segment
-        if not self._stop:
-            return rest
-        self._text += rest
-        hit = _first_stop(self._text, self._stop, 0)
-        end = hit if hit is not None and hit >= self._sent else len(self._text)
-        return self._text[self._sent : end]
+    def token(self, req_id: int, token: int, text: str) -> None:
+        self._emit(token, text)
 
+    def done(self, req_id: int, stats: Stats, text: str) -> None:
+        self.stats, self.tail = stats, text
 
-def _first_stop(text: str, stops: list[str], start: int) -> int | None:
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else None
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def _sampler(p: SamplingParams):
-    # mlx-lm treats top_p=0 as "off"; our API uses the conventional 1.0.
-    top_p = p.top_p if p.top_p < 1.0 else 0.0
-    return make_sampler(temp=p.temperature, top_p=top_p, min_p=p.min_p, top_k=p.top_k)
-
-
-def _processors(p: SamplingParams):
-    if p.repetition_penalty is None or p.repetition_penalty == 1.0:
-        return None
-    return make_logits_processors(
-        repetition_penalty=p.repetition_penalty,
-        repetition_context_size=p.repetition_context_size,
-    )
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        self.error = exc
 
 
 def device_name() -> str:

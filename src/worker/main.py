@@ -7,7 +7,7 @@
     stdin  --Hello/Generate/Cancel--> reader thread --> Server (queue, cancel flags)
                                                           |
                                                      main thread = MLX thread
-                                                     Engine.generate, per token:
+                                                     Engine.submit/cancel/step (batch), per token:
                                                           | outbox.token() (never blocks)
     stdout/ring <---Ready/Tokens/Done--- sent by the MLX thread itself when the
                                          channel takes it at once, else by the
@@ -158,15 +158,19 @@ class Outbox:
 
 
 class Server:
-    """Queues requests from the reader thread and runs them one at a time on the MLX thread."""
+    """Takes requests from the reader thread and runs them in the engine's batch on the MLX thread.
+
+    The reader thread only queues: every engine call (submit, cancel, step)
+    happens on the MLX thread, between batch steps, so a request that
+    arrives mid-generation joins the batch at the next step.
+    """
 
     def __init__(self, engine, outbox: Outbox) -> None:
         self._engine = engine
         self._outbox = outbox
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Generate, float]] = deque()
-        self._cancelled: set[int] = set()
-        self._current: int | None = None
+        self._inbox: deque[tuple[Generate, float]] = deque()
+        self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
 
@@ -174,83 +178,71 @@ class Server:
     def on_message(self, msg: object) -> None:
         with self._cond:
             if isinstance(msg, Generate):
-                self._queue.append((msg, time.perf_counter()))
+                self._inbox.append((msg, time.perf_counter()))
             elif isinstance(msg, Cancel):
-                self._cancel(msg.id)
+                self._cancels.append(msg.id)
             elif isinstance(msg, Shutdown):
-                self._stop()
+                self._stopping = True
             elif isinstance(msg, Ping):
-                self._outbox.message(Pong(seq=msg.seq, memory=self._engine.memory()))
+                engine = self._engine
+                self._outbox.message(Pong(seq=msg.seq, memory=engine.memory(), engine=engine.report()))
             elif isinstance(msg, ClearCache):
-                self._clear_cache = True  # done on the MLX thread, between requests
+                self._clear_cache = True  # done on the MLX thread, between steps
             self._cond.notify()
 
     def on_eof(self) -> None:
         with self._cond:
-            self._stop()
+            self._stopping = True
             self._cond.notify()
-
-    def _cancel(self, req_id: int) -> None:
-        for item in self._queue:
-            if item[0].id == req_id:
-                self._queue.remove(item)
-                self._outbox.message(Done(id=req_id, stats=Stats(finish_reason="cancelled")))
-                return
-        if self._current == req_id:
-            self._cancelled.add(req_id)
-
-    def _stop(self) -> None:
-        self._stopping = True
-        if self._current is not None:
-            self._cancelled.add(self._current)
-        for req, _ in self._queue:
-            self._outbox.message(Done(id=req.id, stats=Stats(finish_reason="cancelled")))
-        self._queue.clear()
 
     # -- MLX thread --
     def serve_forever(self) -> None:
+        engine = self._engine
         while True:
             with self._cond:
-                while not self._queue and not self._stopping and not self._clear_cache:
+                while not (
+                    self._inbox or self._cancels or self._stopping or self._clear_cache or engine.busy
+                ):
                     self._cond.wait()
-                if self._stopping:
-                    return
+                inbox, self._inbox = self._inbox, deque()
+                cancels, self._cancels = self._cancels, []
                 clear, self._clear_cache = self._clear_cache, False
-                if not self._queue:
-                    req = None
-                else:
-                    req, queued_at = self._queue.popleft()
-                    self._current = req.id
+                stopping = self._stopping
+            if stopping:
+                self._end_all(inbox)
+                return
             if clear:
-                self._engine.clear_cache()
-            if req is None:
-                continue
-            self._run(req, queued_at)
-            with self._cond:
-                self._current = None
-                self._cancelled.discard(req.id)
+                engine.clear_cache()
+            for req, queued_at in inbox:
+                engine.submit(req, self, queued_at=queued_at)
+            for req_id in cancels:
+                engine.cancel(req_id)  # False: it already ended, and its end was sent
+            engine.step()
 
-    def _run(self, req: Generate, queued_at: float) -> None:
-        outbox, req_id, cancelled = self._outbox, req.id, self._cancelled
-        outbox.message(Started(req_id))
-        try:
-            result = self._engine.generate(
-                req,
-                lambda token, text: outbox.token(req_id, token, text),
-                lambda: req_id in cancelled,
-                queued_at=queued_at,
-            )
-        except Exception as exc:  # the request fails; the worker lives on
-            outbox.message(
-                Failed(
-                    id=req_id,
-                    error_type=type(exc).__name__,
-                    message=str(exc),
-                    traceback=traceback.format_exc(),
-                )
-            )
-            return
-        outbox.message(Done(id=req_id, stats=result.stats, text=result.tail_text))
+    def _end_all(self, inbox) -> None:
+        """Shutdown or EOF: everything queued or running ends as cancelled."""
+        for req, _ in inbox:
+            self.done(req.id, Stats(finish_reason="cancelled"), "")
+        self._engine.cancel_all()
+
+    # -- the engine's listener (MLX thread) --
+    def started(self, req_id: int) -> None:
+        self._outbox.message(Started(req_id))
+
+    def token(self, req_id: int, token: int, text: str) -> None:
+        self._outbox.token(req_id, token, text)
+
+    def done(self, req_id: int, stats: Stats, text: str) -> None:
+        self._outbox.message(Done(id=req_id, stats=stats, text=text))
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        self._outbox.message(
+            Failed(id=req_id, error_type=type(exc).__name__, message=str(exc), traceback=_format(exc))
+        )
+
+
+def _format(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
 
 
 def _read_loop(rx: Receiver, server: Server, log) -> None:
@@ -326,7 +318,7 @@ def main() -> None:
 
         from .engine import Engine
 
-        engine = Engine(hello.model, cache_limit_bytes=hello.cache_limit_bytes)
+        engine = Engine(hello.model, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
         engine.warmup(hello.warmup_tokens)
     except Exception as exc:
         log.error("worker.load_failed", model=hello.model, error=repr(exc))

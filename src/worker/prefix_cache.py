@@ -1,0 +1,96 @@
+"""The worker's prompt-prefix cache: KV caches of recent prompts, bounded in bytes.
+
+mlx-lm's `LRUPromptCache` does the work (a token trie, least-recently-used
+eviction by kind, a byte cap, trimming a longer cached sequence back to the
+shared prefix where every layer's cache can be trimmed). This wrapper adds
+what the engine needs around it:
+
+- a served prefix is always shorter than the prompt, so at least one token
+  is left to prefill (the model must produce the first token's logits);
+- caches that cannot be trimmed (`RotatingKVCache` once it has rotated,
+  `ArraysCache`'s recurrent state) are only reused from an exact checkpoint,
+  which `LRUPromptCache` already guarantees; the engine takes checkpoints at
+  the boundaries a later request can share;
+- hit, miss and cached-token counters, for the worker's report.
+
+Entries are deep copies: a reused cache is extended in place by the batch.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from ..ipc.protocol import EngineReport
+
+#: LRUPromptCache keys entries by model too; a worker serves one model.
+_MODEL_KEY = "model"
+#: Entries kept at most, besides the byte cap: the trie walk grows with them.
+MAX_ENTRIES = 256
+
+
+class PrefixCache:
+    """KV caches of earlier prompts, reused for the longest shared prefix."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max(max_bytes, 0))
+        self.hits = 0
+        self.misses = 0
+        self.cached_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def fetch(self, ids: list[int]) -> tuple[list | None, int]:
+        """A copy of the cache for the longest cached prefix of `ids`, and its length in tokens.
+
+        The prefix is at most ``len(ids) - 1`` tokens long; (None, 0) on a miss.
+        """
+        cache, n = self._fetch(ids) if self.enabled and len(ids) > 1 else (None, 0)
+        if n:
+            self.hits += 1
+            self.cached_tokens += n
+        else:
+            self.misses += 1
+        return cache, n
+
+    def _fetch(self, ids: list[int]) -> tuple[list | None, int]:
+        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, ids)
+        if cache is None:
+            return None, 0
+        if rest:
+            return cache, len(ids) - len(rest)
+        # The whole prompt is cached: step back one token, by trimming or to a shorter entry.
+        if can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            return cache, len(ids) - 1
+        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, ids[:-1])
+        return (cache, len(ids) - 1 - len(rest)) if cache is not None else (None, 0)
+
+    def insert(self, tokens: list[int], cache: list, kind: str = "assistant") -> None:
+        """Keep `cache`, which holds exactly `tokens`; evict to stay under the byte cap.
+
+        kind: "system", "user" or "assistant": under pressure `LRUPromptCache`
+        evicts assistant entries first and system prompts last.
+        """
+        if self.enabled and tokens and cache:
+            self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
+
+    def clear(self) -> None:
+        self._lru.trim_to(n_sequences=0)
+
+    def report(self, report: EngineReport) -> EngineReport:
+        report.prompt_cache_bytes = self.nbytes
+        report.prompt_cache_entries = len(self)
+        report.prompt_cache_hits = self.hits
+        report.prompt_cache_misses = self.misses
+        report.cached_tokens_total = self.cached_tokens
+        return report

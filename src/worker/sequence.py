@@ -1,0 +1,225 @@
+"""One request inside the batching engine: its sampler, its text stream, its figures.
+
+mlx-lm gives the per-sequence machinery (`make_sampler`, `make_logits_processors`,
+`StopSequences`, the streaming detokenizer); what it lacks, written here by
+hand:
+
+- a seeded sampler per sequence: mlx-lm's samplers draw from MLX's global
+  random state, so two seeded requests in one batch would share one stream of
+  draws. `keyed_sampler` gives each its own key, so a seeded request gets the
+  same tokens alone or in any batch, and unseeded requests never touch it;
+- stop strings matched on text with hold-back (`TextStream`): mlx-lm matches
+  stop words on token ids, which misses a stop string that tokenizes
+  differently inside the reply.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import mlx.core as mx
+from mlx_lm.generate import StopSequences
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+
+from ..ipc.protocol import Generate, SamplingParams, Stats
+
+#: emit(token_id, text_delta) is called once per generated token, on the engine's thread.
+EmitFn = Callable[[int, str], None]
+
+
+class Listener(Protocol):
+    """Where one request's events go; called on the engine's thread, in this order:
+    started, token..., then done or failed (failed may also come alone, before started)."""
+
+    def started(self, req_id: int) -> None: ...
+
+    def token(self, req_id: int, token: int, text: str) -> None: ...
+
+    def done(self, req_id: int, stats: Stats, text: str) -> None: ...
+
+    def failed(self, req_id: int, exc: BaseException) -> None: ...
+
+
+def make_request_sampler(p: SamplingParams):
+    """mlx-lm's sampler for these settings, or None for greedy (batched as one argmax)."""
+    if p.temperature == 0.0:
+        return None
+    # mlx-lm treats top_p=0 as "off"; our API uses the conventional 1.0.
+    top_p = p.top_p if p.top_p < 1.0 else 0.0
+    if p.seed is None:
+        return make_sampler(temp=p.temperature, top_p=top_p, min_p=p.min_p, top_k=p.top_k)
+    return keyed_sampler(p, top_p)
+
+
+def keyed_sampler(p: SamplingParams, top_p: float):
+    """`make_sampler`'s chain of mlx-lm filters, drawing from a key of its own seeded with ``p.seed``.
+
+    MLX's global random state cannot be set from an array, so the key is
+    passed to the draw instead; the filters are mlx-lm's, in `make_sampler`'s order.
+    """
+    filters = []
+    if 0.0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if p.min_p:
+        filters.append(lambda x: apply_min_p(x, p.min_p, 1))
+    if p.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, p.top_k))
+    key = mx.random.key(p.seed)
+    inv_temp = 1.0 / p.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        for f in filters:
+            logprobs = f(logprobs)
+        key, sub = mx.random.split(key)
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def make_request_processors(p: SamplingParams) -> list:
+    if p.repetition_penalty is None or p.repetition_penalty == 1.0:
+        return []
+    return make_logits_processors(
+        repetition_penalty=p.repetition_penalty,
+        repetition_context_size=p.repetition_context_size,
+    )
+
+
+def check_sampler(sampler, vocab_size: int) -> None:
+    """Run `sampler` once on dummy log-probabilities; raise what it raises.
+
+    A sampler that fails inside a batch step would fail every sequence in the
+    batch; one that fails here fails its own request. A failed compiled
+    sampler leaves MLX's global random state holding an array without a
+    primitive, which breaks every later draw; it cannot be set back, so it is
+    reseeded.
+    """
+    if sampler is None or vocab_size <= 0:
+        return
+    try:
+        mx.eval(sampler(mx.zeros((1, vocab_size))))
+    except Exception:
+        reseed()
+        raise
+
+
+def reseed() -> None:
+    """Give MLX's global random state a fresh seed (after a failure may have broken it)."""
+    mx.random.seed(secrets.randbits(63))
+
+
+class TextStream:
+    """Feeds tokens to mlx-lm's streaming detokenizer and emits text deltas.
+
+    With stop strings, text that could still become a stop string is held back
+    until it cannot; the text before the first stop string is all that is sent.
+    """
+
+    def __init__(self, detokenizer, stop: list[str], emit: EmitFn) -> None:
+        detokenizer.reset()
+        self._detok = detokenizer
+        self._emit = emit
+        self._stop = stop
+        self._longest = max((len(s) for s in stop), default=0)
+        self._text = ""
+        self._sent = 0
+        self._stopped = False
+
+    def add(self, token: int) -> bool:
+        """Emit the token and its text; return True when a stop string was hit."""
+        self._detok.add_token(token)
+        delta = self._detok.last_segment
+        if not self._stop:
+            self._emit(token, delta)
+            return False
+        search_from = max(0, len(self._text) - self._longest + 1)
+        self._text += delta
+        hit = _first_stop(self._text, self._stop, search_from)
+        if hit is not None:
+            self._stopped = True
+            self._emit(token, self._text[self._sent : hit])
+            self._sent = len(self._text)
+            return True
+        safe = len(self._text) - _held_back(self._text, self._stop)
+        self._emit(token, self._text[self._sent : safe])
+        self._sent = max(self._sent, safe)
+        return False
+
+    def finish(self) -> str:
+        """Flush the detokenizer; return text not yet emitted (none after a stop string)."""
+        if self._stopped:
+            return ""
+        self._detok.finalize()
+        rest = self._detok.last_segment
+        if not self._stop:
+            return rest
+        self._text += rest
+        hit = _first_stop(self._text, self._stop, 0)
+        end = hit if hit is not None and hit >= self._sent else len(self._text)
+        return self._text[self._sent : end]
+
+
+def _first_stop(text: str, stops: list[str], start: int) -> int | None:
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class Sequence:
+    """A request admitted to the engine, from its prompt ids to its last token."""
+
+    req: Generate
+    ids: list[int]
+    #: Where the chat's system prompt ends in `ids` (0: no system prompt or not a chat).
+    system_end: int
+    max_tokens: int
+    stop: StopSequences
+    sampler: object
+    processors: list
+    text: TextStream
+    queued_at: float
+    listener: Listener
+    uid: int = -1
+    admitted_at: float = 0.0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    generated: int = 0
+    cached_tokens: int = 0
+    #: Decode steps this sequence took part in, and the batch sizes of those steps, summed.
+    steps: int = 0
+    batch_size_sum: int = 0
+    #: Kinds of the prompt checkpoints still to take, last first (non-trimmable caches).
+    checkpoint_kinds: list[str] = field(default_factory=list)
+
+    def stats(self, finish: str) -> Stats:
+        t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
+        prefilled = len(self.ids) - self.cached_tokens
+        return Stats(
+            prompt_tokens=len(self.ids),
+            prompt_tps=prefilled / max(t1 - t0, 1e-9) if self.first_at else 0.0,
+            ttft_ms=(t1 - t0) * 1e3 if self.first_at else 0.0,
+            generation_tokens=n,
+            decode_tps=(n - 1) / (tn - t1) if n > 1 and tn > t1 else 0.0,
+            decode_ms=(tn - t1) * 1e3 if self.first_at else 0.0,
+            queue_ms=(t0 - self.queued_at) * 1e3 if t0 else (time.perf_counter() - self.queued_at) * 1e3,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+            finish_reason=finish,
+            cached_tokens=self.cached_tokens,
+            mean_batch_size=self.batch_size_sum / self.steps if self.steps else 0.0,
+        )
