@@ -9,7 +9,7 @@ run one in-process, which is also the native baseline.
     submit(req) -> tokenize, check -> waiting -> admit (room in the batch) -> mlx-lm BatchGenerator
                    (fails alone)                  prefix cache: the longest       step(): one decode step
     cancel(id) ------------------------------>    cached prefix is served,        for every running seq,
-                                                  the rest prefilled in segments  one prefill chunk for new ones
+                                                  the rest prefilled in segments a prefill chunk for new ones
                                                                                        |
                          listener.started / token / done / failed  <-------------------+
 
