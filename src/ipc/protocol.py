@@ -91,7 +91,7 @@ def _check(ok: bool, field: str, rule: str, value: object) -> None:
 DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
-DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # a laptop's share: ~18k tokens of a 7B model's KV
 
 
 class EngineOptions(msgspec.Struct, kw_only=True):

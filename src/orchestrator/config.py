@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..ipc.protocol import EngineOptions
+
 DEFAULT_READY_TIMEOUT_S = 300.0
 DEFAULT_TOKEN_TIMEOUT_S = 300.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -94,3 +96,29 @@ class Supervision:
             keep_alive_s=_env_opt_float("MLXRT_KEEP_ALIVE_S"),
             monitor_interval_s=_env_float("MLXRT_MONITOR_INTERVAL_S", DEFAULT_MONITOR_INTERVAL_S),
         )
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def engine_from_env() -> EngineOptions:
+    """The engine options the ``MLXRT_*`` variables set, defaults elsewhere (an explicit
+    `EngineOptions` given to `Runtime` is used as is).
+
+    MLXRT_DECODE_CONCURRENCY, MLXRT_PROMPT_CONCURRENCY, MLXRT_PREFILL_STEP_SIZE,
+    MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off).
+    """
+    b = EngineOptions()
+    return EngineOptions(
+        decode_concurrency=_env_int("MLXRT_DECODE_CONCURRENCY", b.decode_concurrency),
+        prompt_concurrency=_env_int("MLXRT_PROMPT_CONCURRENCY", b.prompt_concurrency),
+        prefill_step_size=_env_int("MLXRT_PREFILL_STEP_SIZE", b.prefill_step_size),
+        prompt_cache_bytes=_env_int("MLXRT_PROMPT_CACHE_BYTES", b.prompt_cache_bytes),
+    ).validate()

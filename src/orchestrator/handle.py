@@ -28,6 +28,8 @@ from ..ipc.protocol import (
     Cancel,
     ClearCache,
     Done,
+    EngineOptions,
+    EngineReport,
     Failed,
     Fatal,
     Generate,
@@ -82,6 +84,12 @@ class WorkerMemory:
     peak_bytes: int
     cache_bytes: int
     rss_bytes: int
+    #: The worker's prefix cache: bytes held, entries, lookups that hit and missed, tokens served.
+    prompt_cache_bytes: int = 0
+    prompt_cache_entries: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,9 @@ class WorkerInfo:
     requests: int
     tokens: int
     restarts: int = 0
+    #: Of `in_flight`: sequences in the worker's batch, and requests waiting for a place in it.
+    batch_size: int = 0
+    queued: int = 0
 
 
 def _discard(_event: object) -> None:
@@ -123,10 +134,12 @@ class WorkerHandle:
         timeouts: Timeouts,
         warmup_tokens: int,
         cache_limit_bytes: int | None = None,
+        engine: EngineOptions | None = None,
         argv: list[str] | None = None,
         on_exit: ExitCallback = _fail_all,
     ) -> None:
         self.model = model
+        self.engine = engine or EngineOptions()
         self._argv = argv or [sys.executable, "-m", "mlxrt.worker"]
         self._on_exit = on_exit
         self.model_name = model_name
@@ -135,7 +148,7 @@ class WorkerHandle:
         self._timeouts = timeouts
         self._lock = threading.Lock()
         self._sinks: dict[int, Entry] = {}
-        self._pings: dict[int, tuple[threading.Event, list[MemoryReport]]] = {}
+        self._pings: dict[int, tuple[threading.Event, list[Pong]]] = {}
         self._ping_seq = itertools.count(1)
         self._state = "starting"
         self._requests = 0
@@ -161,6 +174,7 @@ class WorkerHandle:
             transport=self.transport,  # type: ignore[arg-type]
             warmup_tokens=warmup_tokens,
             cache_limit_bytes=cache_limit_bytes,
+            engine=self.engine,
         )
         pass_fds: tuple[int, ...] = ()
         if self.transport == "ring":
@@ -323,10 +337,10 @@ class WorkerHandle:
         except ChannelClosed:
             pass
 
-    def memory(self, timeout: float) -> MemoryReport | None:
-        """Ask the worker for its memory figures; None if it does not answer within `timeout` s."""
+    def memory(self, timeout: float) -> tuple[MemoryReport, EngineReport] | None:
+        """Ask the worker for its memory and engine figures; None if it does not answer within `timeout` s."""
         seq = next(self._ping_seq)
-        done: tuple[threading.Event, list[MemoryReport]] = (threading.Event(), [])
+        done: tuple[threading.Event, list[Pong]] = (threading.Event(), [])
         self._pings[seq] = done
         try:
             self._tx.send(self._codec.encode(Ping(seq)))
@@ -335,7 +349,10 @@ class WorkerHandle:
             pass
         finally:
             self._pings.pop(seq, None)
-        return done[1][0] if done[1] else None
+        if not done[1]:
+            return None
+        pong = done[1][0]
+        return pong.memory, pong.engine or EngineReport()
 
     def clear_cache(self) -> None:
         """Ask the worker to free MLX's buffer cache between requests."""
@@ -349,10 +366,16 @@ class WorkerHandle:
         return len(self._sinks)
 
     @property
+    def saturated(self) -> bool:
+        """Whether a new request would wait for a place in the worker's batch."""
+        return len(self._sinks) >= self.engine.decode_concurrency
+
+    @property
     def alive(self) -> bool:
         return self._state == "ready"
 
     def info(self) -> WorkerInfo:
+        batch = sum(1 for e in list(self._sinks.values()) if e.started)
         return WorkerInfo(
             name=self.name,
             pid=self.pid,
@@ -362,6 +385,8 @@ class WorkerHandle:
             in_flight=len(self._sinks),
             requests=self._requests,
             tokens=self._tokens,
+            batch_size=batch,
+            queued=len(self._sinks) - batch,
         )
 
     # -- threads ------------------------------------------------------------
@@ -388,7 +413,7 @@ class WorkerHandle:
                 elif isinstance(msg, Pong):
                     waiter = self._pings.get(msg.seq)
                     if waiter is not None:
-                        waiter[1].append(msg.memory)
+                        waiter[1].append(msg)
                         waiter[0].set()
         except ChannelCorrupt as exc:
             self._die(ChannelError(f"worker {self.name} (pid {self.pid}) sent a bad frame: {exc}"))

@@ -1,8 +1,9 @@
 """The public API: `Runtime` (threads) and `AsyncRuntime` (asyncio) over a pool of workers.
 
-Both share one `Pool`; a request goes to the least-loaded ready worker of its
-model and its events come back through a sink: a queue the caller's thread
-reads, or an asyncio queue fed with ``call_soon_threadsafe``.
+Both share one `Pool`; a request goes to the worker of its model that holds
+its prompt's prefix, or the least-loaded ready one (`routing.py`), where it
+joins that worker's batch; its events come back through a sink: a queue the
+caller's thread reads, or an asyncio queue fed with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import msgspec
 import structlog
 
 from .. import logs
-from ..ipc.protocol import ChatMessage, Done, Failed, Generate, SamplingParams, Stats, Tokens
-from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts
+from ..ipc.protocol import ChatMessage, Done, EngineOptions, Failed, Generate, SamplingParams, Stats, Tokens
+from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
 from .models import resolve_model
+from .routing import PrefixRouter, block_keys
 from .supervisor import Slot
 
 log = structlog.get_logger("mlxrt.orchestrator")
@@ -99,6 +101,7 @@ class Pool:
         supervision: Supervision,
         warmup_tokens: int,
         cache_limit_bytes: int | None,
+        engine: EngineOptions | None = None,
         worker_argv: list[str] | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
@@ -109,6 +112,8 @@ class Pool:
             raise ValueError("invalid model: name at least one model")
         self.timeouts = timeouts
         self.supervision = supervision
+        self.engine = (engine or engine_from_env()).validate()
+        self.router = PrefixRouter()
         self.transport = _choose_transport(transport)
         self.pressure = "normal"
         self._ids = itertools.count(1)
@@ -126,6 +131,7 @@ class Pool:
                 timeouts=timeouts,
                 warmup_tokens=warmup_tokens,
                 cache_limit_bytes=cache_limit_bytes,
+                engine=self.engine,
                 argv=worker_argv,
             )
             self.slots[name] = [
@@ -158,7 +164,8 @@ class Pool:
         return slots
 
     def submit(self, model: str | None, req: Generate, sink, keep_alive_s: float | None = None) -> Slot:
-        """Send `req` to the least-loaded live slot of `model`: ready workers first."""
+        """Send `req` to a live slot of `model`: the one holding its prompt's prefix if its batch
+        has room, else the least loaded, ready workers first (`routing.PrefixRouter`)."""
         slots = self.model_slots(model)
         if self.pressure == "critical" and self.supervision.refuse_on_critical:
             raise MemoryPressureError(
@@ -168,7 +175,12 @@ class Pool:
         live = [s for s in slots if not s.failed]
         if not live:
             raise ModelFailedError(slots[0]._failure)
-        slot = min(live, key=lambda s: s.routing_key)
+        if len(live) == 1:
+            slot = live[0]
+        else:
+            keys = block_keys(model or self.default_model, req)
+            slot = self.router.choose(live, keys)
+            self.router.record(slot, keys)
         slot.submit(req, sink, keep_alive_s)
         return slot
 
@@ -460,6 +472,11 @@ class Runtime:
     of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
     ignore_eos.
+
+    `engine` says how each worker batches and caches (`EngineOptions`:
+    decode_concurrency, prompt_concurrency, prefill_step_size,
+    prompt_cache_bytes); by default the ``MLXRT_*`` variables of the same
+    names, else laptop-sized defaults.
     """
 
     def __init__(
@@ -473,6 +490,7 @@ class Runtime:
         supervision: Supervision | None = None,
         warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
         cache_limit_bytes: int | None = None,
+        engine: EngineOptions | None = None,
         _worker_argv: list[str] | None = None,
     ) -> None:
         _ensure_logging()
@@ -484,6 +502,7 @@ class Runtime:
             supervision=supervision or Supervision.from_env(),
             warmup_tokens=warmup_tokens,
             cache_limit_bytes=cache_limit_bytes,
+            engine=engine,
             worker_argv=_worker_argv,  # tests substitute fake workers here
         )
         # Stop the workers even if the caller forgets: at garbage collection or interpreter exit.

@@ -88,6 +88,12 @@ class Slot:
         return (0 if ready else 1, (h.in_flight if ready else 0) + len(self._pending))
 
     @property
+    def saturated(self) -> bool:
+        """Whether a request sent now would wait for a place in a batch (or for a worker)."""
+        h = self.handle
+        return h is None or not h.alive or h.saturated or bool(self._pending)
+
+    @property
     def failed(self) -> bool:
         return self.state == "failed"
 
@@ -277,10 +283,16 @@ class Slot:
         h = self.handle
         if h is None or not h.alive:
             return None
-        m = h.memory(timeout)
-        if m is None:
+        found = h.memory(timeout)
+        if found is None:
             return None
-        return WorkerMemory(h.name, h.pid, m.active_bytes, m.peak_bytes, m.cache_bytes, m.rss_bytes)
+        m, e = found
+        return WorkerMemory(
+            h.name, h.pid, m.active_bytes, m.peak_bytes, m.cache_bytes, m.rss_bytes,
+            prompt_cache_bytes=e.prompt_cache_bytes, prompt_cache_entries=e.prompt_cache_entries,
+            prompt_cache_hits=e.prompt_cache_hits, prompt_cache_misses=e.prompt_cache_misses,
+            cached_tokens=e.cached_tokens_total,
+        )
 
     def close(self, drain_s: float = 0.0) -> None:
         """Stop for good: fail waiting requests, optionally let running ones finish first."""
@@ -311,5 +323,6 @@ class Slot:
         else:
             base = h.info()
         state = base.state if self.state == "ready" else self.state
+        waiting = len(self._pending)
         return replace(base, state=state, restarts=self.restarts,
-                       in_flight=base.in_flight + len(self._pending))
+                       in_flight=base.in_flight + waiting, queued=base.queued + waiting)
