@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
@@ -115,9 +115,10 @@ class Engine:
         path = resolve_model_path(model)
         self.model, self.tokenizer, config = load(path, return_config=True)
         self.path = path
-        self.context_length = int(config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
-        self.vocab_size = int(config.get("vocab_size") or 0)
-        self.trimmable = can_trim_prompt_cache(make_prompt_cache(self.model))
+        text = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM's fields
+        self.context_length = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+        self.vocab_size = int(text.get("vocab_size") or 0)
+        self.trimmable = _always_trimmable(make_prompt_cache(self.model))
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self._batch = self._new_batch()
@@ -385,6 +386,16 @@ class Engine:
             prefill_batch_size=o.prompt_concurrency,
             prefill_step_size=o.prefill_step_size,
         )
+
+
+def _always_trimmable(cache: list) -> bool:
+    """Whether every layer's cache can always be trimmed back to a shorter prefix.
+
+    A `RotatingKVCache` can be trimmed only until it first rotates, and an
+    `ArraysCache` never: such models need checkpoints, whatever an empty
+    cache says now.
+    """
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
 
 
 def _segments(ids: list[int], cached: int, system_end: int, *, checkpoints: bool) -> tuple[list, list[str]]:

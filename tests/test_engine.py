@@ -1,0 +1,205 @@
+"""The batching engine in-process (the same `Engine` the worker runs): batching, prefix reuse, failures.
+
+Every family of cache runs the core checks: batching identity, reuse
+identity and a chat with cached turns, on the tiny preset of each family.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
+from mlxrt.worker.engine import Engine
+from mlxrt.worker.synthetic import PRESETS
+
+FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-"))
+
+SYSTEM = "You answer questions about the weather, the sea and the mountains, at length. " * 5
+
+
+class Recorder:
+    """A listener that keeps every request's ids, text and end."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, list[int]] = {}
+        self.text: dict[int, str] = {}
+        self.stats: dict = {}
+        self.errors: dict[int, BaseException] = {}
+        self.started_ids: list[int] = []
+
+    def started(self, req_id: int) -> None:
+        self.started_ids.append(req_id)
+
+    def token(self, req_id: int, token: int, text: str) -> None:
+        self.ids.setdefault(req_id, []).append(token)
+        self.text[req_id] = self.text.get(req_id, "") + text
+
+    def done(self, req_id: int, stats, text: str) -> None:
+        self.text[req_id] = self.text.get(req_id, "") + text
+        self.stats[req_id] = stats
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        self.errors[req_id] = exc
+
+
+def run_batch(engine: Engine, reqs: list[Generate]) -> Recorder:
+    """Submit every request at once and step the engine until all have ended."""
+    rec = Recorder()
+    for r in reqs:
+        engine.submit(r, rec)
+    while engine.busy:
+        engine.step()
+    return rec
+
+
+def run_alone(engine: Engine, req: Generate) -> tuple[list[int], object]:
+    rec = run_batch(engine, [req])
+    if req.id in rec.errors:
+        raise rec.errors[req.id]
+    return rec.ids.get(req.id, []), rec.stats[req.id]
+
+
+def gen(i: int, prompt=None, *, messages=None, ids=None, **params) -> Generate:
+    params.setdefault("max_tokens", 16)
+    params.setdefault("ignore_eos", True)
+    return Generate(id=i, prompt=prompt, prompt_ids=ids, messages=messages, params=SamplingParams(**params))
+
+
+def chat(*turns: str, system: str = SYSTEM) -> list[ChatMessage]:
+    msgs = [ChatMessage("system", system)]
+    for i, t in enumerate(turns):
+        msgs.append(ChatMessage("user" if i % 2 == 0 else "assistant", t))
+    return msgs
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def engines(request):
+    """Per family: an engine with prefix reuse and one without (the reference)."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    path = str(ensure_model(request.param))
+    on = Engine(path, options=EngineOptions(decode_concurrency=8, prefill_step_size=64))
+    off = Engine(path, options=EngineOptions(decode_concurrency=8, prefill_step_size=64, prompt_cache_bytes=0))
+    return request.param, on, off
+
+
+def mixed_requests() -> list[Generate]:
+    """Different lengths and sampling settings in one batch."""
+    long_text = "The tide came in over the rocks while the gulls argued. " * 12
+    return [
+        gen(1, "Once upon a time"),
+        gen(2, long_text, max_tokens=9),
+        gen(3, ids=[5, 17, 42, 99, 3, 250, 7]),
+        gen(4, messages=chat("What is the weather like?")),
+        gen(5, "The quick brown fox", temperature=0.8, seed=7),
+        gen(6, "A list of birds:", temperature=1.0, top_k=5, top_p=0.9, seed=11, repetition_penalty=1.3),
+        gen(7, "Numbers go up", repetition_penalty=1.2, repetition_context_size=8),
+        gen(8, long_text[:200], max_tokens=20),
+    ]
+
+
+def test_batch_gives_each_request_its_single_stream_ids(engines):
+    """Greedy and seeded requests of different lengths in one batch get the ids each gets alone."""
+    _, on, off = engines
+    reqs = mixed_requests()
+    alone = {r.id: run_alone(off, r)[0] for r in reqs}
+    rec = run_batch(off, reqs)
+    assert not rec.errors
+    assert rec.ids == alone
+    assert max(s.mean_batch_size for s in rec.stats.values()) > 1
+
+
+def test_prefix_reuse_keeps_ids_and_reports_cached_tokens(engines):
+    """A multi-turn chat and a shared system prompt: ids with reuse equal ids without; later turns hit."""
+    name, on, off = engines
+    turns: list[str] = []
+    for k in range(3):
+        turns.append(f"Question {k}: and what about the {['sky', 'sea', 'hills'][k]} today?")
+        msgs = chat(*turns)
+        got, st = run_alone(on, gen(10 + k, messages=msgs))
+        want, _ = run_alone(off, gen(10 + k, messages=msgs))
+        assert got == want, f"{name} turn {k}"
+        if k > 0:
+            assert st.cached_tokens > 0, f"{name} turn {k} found no cached prefix"
+        turns.append(on.tokenizer.decode(got))
+    other = chat("A different conversation about fish.")
+    got, st = run_alone(on, gen(20, messages=other))
+    assert got == run_alone(off, gen(20, messages=other))[0]
+    assert st.cached_tokens > 0  # the shared system prompt
+    assert off.report().prompt_cache_entries == 0
+
+
+def test_reuse_inside_a_batch_keeps_ids(engines):
+    """Requests that share a prefix with a cached prompt, batched with others, keep their ids."""
+    _, on, off = engines
+    base = "In the harbour the boats rocked gently and the sailors sang. " * 6
+    run_alone(on, gen(30, base))
+    reqs = [gen(31, base + " Then a storm came."), gen(32, base + " Nothing happened."), gen(33, "Unrelated")]
+    rec = run_batch(on, reqs)
+    assert rec.ids == {r.id: run_alone(off, r)[0] for r in reqs}
+    assert rec.stats[31].cached_tokens > 0 and rec.stats[32].cached_tokens > 0
+
+
+def test_cancel_and_failure_in_a_batch_leave_the_others_unchanged(engines):
+    """A cancelled, a failing and a normal request together: only the failing one errors."""
+    _, on, off = engines
+    normal = gen(41, "Once upon a time there was", max_tokens=24)
+    want = run_alone(off, normal)[0]
+    rec = Recorder()
+    off.submit(gen(40, "A request that will be cancelled", max_tokens=200), rec)
+    off.submit(gen(42, ids=[1, 2, off.vocab_size + 5]), rec)
+    off.submit(normal, rec)
+    steps = 0
+    while off.busy:
+        off.step()
+        steps += 1
+        if steps == 6:
+            assert off.cancel(40)
+    assert rec.ids[41] == want
+    assert rec.stats[40].finish_reason == "cancelled"
+    assert 42 in rec.errors and "outside" in str(rec.errors[42])
+    assert set(rec.stats) == {40, 41}
+
+
+def test_bad_sampler_fails_alone_and_poisons_nothing():
+    """top_k past the vocabulary fails its request at admission; later sampling is as on a fresh engine."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    path = str(ensure_model("tiny"))
+    engine = Engine(path, options=EngineOptions(prompt_cache_bytes=0))
+    seeded = gen(2, "The quick brown fox", temperature=0.9, seed=3)
+    before = run_alone(engine, seeded)[0]
+    with pytest.raises(ValueError, match="top_k"):
+        run_alone(engine, gen(1, "Hello", temperature=1.0, top_k=engine.vocab_size + 1))
+    assert run_alone(engine, seeded)[0] == before
+    assert len(run_alone(engine, gen(3, "Hello", temperature=1.0))[0]) == 16  # unseeded still samples
+
+
+def test_prefix_cache_stays_under_its_byte_cap():
+    """A stream of distinct long prompts against a small byte cap: the cap holds and nothing fails."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    cap = 400_000
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prompt_cache_bytes=cap))
+    for i in range(12):
+        prompt = f"Prompt number {i} tells a different story. " * (4 + i)
+        ids, st = run_alone(engine, gen(i, prompt, max_tokens=4))
+        assert len(ids) == 4
+        assert engine.prefix_cache.nbytes <= cap
+    assert engine.report().prompt_cache_entries >= 1
+
+
+def test_stop_strings_and_stop_ids_in_a_batch():
+    """Stop strings end a sequence inside a batch with the text cut before them, as alone."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prompt_cache_bytes=0))
+    free, _ = run_alone(engine, gen(1, "Once upon a time", max_tokens=30))
+    text = engine.tokenizer.decode(free)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    reqs = [gen(2, "Once upon a time", max_tokens=30, stop=[stop]), gen(3, "Hello there", max_tokens=30),
+            gen(4, "Once upon a time", max_tokens=30, stop_token_ids=[free[5]])]
+    alone = {r.id: run_alone(engine, r) for r in reqs}
+    rec = run_batch(engine, reqs)
+    assert rec.ids == {k: v[0] for k, v in alone.items()}
+    assert rec.stats[2].finish_reason == "stop" and stop not in rec.text[2]
+    assert rec.stats[4].finish_reason == "stop" and rec.ids[4] == free[:5]
