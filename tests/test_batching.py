@@ -20,7 +20,8 @@ REQUESTS = [
     ([5, 17, 42, 99, 3, 250], {"max_tokens": 16}),
     ([{"role": "user", "content": "Tell me about the weather."}], {"max_tokens": 18}),
     ("A seeded one", {"max_tokens": 16, "temperature": 0.9, "seed": 5}),
-    ("With a penalty", {"max_tokens": 16, "repetition_penalty": 1.3, "top_k": 8, "temperature": 0.7, "seed": 1}),
+    ("With a penalty",
+     {"max_tokens": 16, "repetition_penalty": 1.3, "top_k": 8, "temperature": 0.7, "seed": 1}),
 ]
 
 
@@ -69,7 +70,9 @@ def test_cancel_one_stream_inside_a_batch(rt):
     stream = rt.stream("This one will be cancelled", max_tokens=400, ignore_eos=True)
     chunks = iter(stream)
     next(chunks)
-    other = ThreadPoolExecutor(1).submit(rt.generate, "Beside the cancelled one", max_tokens=30, ignore_eos=True)
+    other = ThreadPoolExecutor(1).submit(
+        rt.generate, "Beside the cancelled one", max_tokens=30, ignore_eos=True
+    )
     next(chunks)
     stream.close()
     assert other.result(timeout=60).tokens == want
