@@ -25,7 +25,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
     }
     try:
-        with Runtime(model=args.model, transport=args.transport) as rt:
+        with Runtime(model=args.model, transport=args.transport, engine=_engine_options(args)) as rt:
             stream = rt.stream(prompt_arg, **params)  # type: ignore[arg-type]
             for chunk in stream:
                 sys.stdout.write(chunk.text)
@@ -71,11 +71,42 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
     )
     try:
-        serve(models, config=config, workers=args.workers, transport=args.transport, log_level=args.log_level)
+        serve(models, config=config, workers=args.workers, transport=args.transport,
+              log_level=args.log_level, engine=_engine_options(args))
     except (MlxrtError, ValueError) as exc:
         print(f"mlxrt: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _engine_options(args: argparse.Namespace):
+    """The engine flags as `EngineOptions`, each unset one from its MLXRT_* variable or default."""
+    import msgspec
+
+    from .orchestrator.config import engine_from_env
+
+    base = engine_from_env()
+    given = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
+    return msgspec.structs.replace(base, **given).validate()
+
+
+#: mlx_lm.server's flags for the same knobs, with the same names.
+ENGINE_FLAGS = {
+    "decode_concurrency": "most sequences decoded together per worker",
+    "prompt_concurrency": "most prompts prefilled together per worker",
+    "prefill_step_size": "prompt tokens per prefill step",
+    "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse)",
+}
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from .ipc.protocol import EngineOptions
+
+    defaults = EngineOptions()
+    for name, what in ENGINE_FLAGS.items():
+        env = "MLXRT_" + name.upper()
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"{what} (default: ${env} or {getattr(defaults, name)})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     gen.add_argument("--stats", action="store_true", help="print the request's stats as JSON on stderr")
+    _add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
     from .orchestrator.http.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
@@ -108,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
+    _add_engine_flags(srv)
     srv.set_defaults(func=_cmd_serve)
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
+from ...ipc.protocol import EngineOptions
 from ..models import SYNTHETIC_PREFIX
 from ..runtime import AsyncRuntime
 from .app import create_app
@@ -58,11 +59,13 @@ def serve(
     workers: int = 1,
     transport: str = "auto",
     log_level: str = "warning",
+    engine: EngineOptions | None = None,
 ) -> None:
     """Serve `models` until SIGINT or SIGTERM; raises the runtime's errors if a model fails to load."""
 
     async def main() -> None:
-        async with AsyncRuntime(models=dict(models), workers=workers, transport=transport) as rt:
+        runtime = AsyncRuntime(models=dict(models), workers=workers, transport=transport, engine=engine)
+        async with runtime as rt:
             app = create_app(rt, config, model_refs=models)
             server = uvicorn.Server(uvicorn.Config(
                 app, host=config.host, port=config.port, log_level=log_level, access_log=False,
