@@ -62,9 +62,10 @@ class ServerThread:
             raise RuntimeError(f"server did not start: {self._error!r}")
         return self.serve(config or ServerConfig())
 
-    def serve(self, config: ServerConfig) -> str:
-        """Start one more server (its own config) over the same runtime; return its base URL."""
-        fut = asyncio.run_coroutine_threadsafe(self._serve(config), self._loop)
+    def serve(self, config: ServerConfig, *, model_refs: dict[str, str] | None = None) -> str:
+        """Start one more server (its own config, and `model_refs` if given) over the same runtime;
+        return its base URL."""
+        fut = asyncio.run_coroutine_threadsafe(self._serve(config, model_refs or self.models), self._loop)
         return fut.result(30)
 
     def stop(self) -> None:
@@ -99,8 +100,8 @@ class ServerThread:
         self._tasks: list[asyncio.Task] = []
         asyncio.run(main())
 
-    async def _serve(self, config: ServerConfig) -> str:
-        app = create_app(self.rt, config, model_refs=self.models)
+    async def _serve(self, config: ServerConfig, model_refs: dict[str, str]) -> str:
+        app = create_app(self.rt, config, model_refs=model_refs)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                                lifespan="off", access_log=False,
                                                timeout_graceful_shutdown=2))
@@ -583,7 +584,8 @@ _sampling = {
     "temperature": st.floats(0, 2) | st.just(-1.0), "top_p": st.floats(0.01, 1) | st.just(0.0),
     "seed": st.integers(0, 2**63 - 1) | st.integers(-5, -1) | st.just(2**64),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)),
-    "stream": st.booleans(), "top_k": st.integers(-1, 100), "min_p": st.floats(0, 0.5) | st.just(1.5),
+    "stream": st.booleans(), "min_p": st.floats(0, 0.5) | st.just(1.5),
+    "top_k": st.integers(-1, 100) | st.sampled_from([2047, 2048, 10**6]),  # tiny's vocabulary: 2048
 }
 FIELDS = {
     "/v1/chat/completions": {"model": st.just("tiny"), "messages": _msgs, "max_tokens": st.integers(-1, 4),
@@ -591,7 +593,8 @@ FIELDS = {
                              "stream_options": st.just({"include_usage": True}), **_sampling},
     "/v1/completions": {"model": st.just("tiny"), "max_tokens": st.integers(-1, 4),
                         "prompt": st.text(max_size=16) | st.lists(st.integers(-2, 3000), max_size=6),
-                        "ignore_eos": st.booleans(), "return_token_ids": st.booleans(), **_sampling},
+                        "ignore_eos": st.booleans(), "return_token_ids": st.booleans(),
+                        "stop_token_ids": st.lists(st.integers(0, 2100), max_size=2), **_sampling},
     "/api/generate": {"model": st.sampled_from(["tiny", "tiny:latest"]), "prompt": st.text(max_size=16),
                       "raw": st.booleans(), "stream": st.booleans(), "system": st.text(max_size=8),
                       "keep_alive": st.one_of(st.text(max_size=4), st.integers(-2, 2)),
@@ -606,14 +609,46 @@ FIELDS = {
 
 
 REQUIRED = {"model", "messages", "prompt"}
+# Put in place of one string of a body, each makes it a 400 wherever it lands: invalid UTF-8 (a
+# surrogate encoded as UTF-8 too), unpaired UTF-16 surrogate escapes, NUL, and deep nesting.
+POISONS = [b"\xff\xfe", b"ok\xc3", b"\xed\xa0\x80", b"\\ud800", b"x\\udc00", b"\\udfff\\ud800",
+           b"\\ud800\\u0041", b"\\u0000", b"stop\\\\\\u0000"]
+SENTINEL = "\ue000poison\ue000"
+
+
+def _string_slots(node) -> list[tuple]:
+    """(container, key) of every string value in a JSON-like `node`, nested ones included."""
+    slots = []
+    for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+        if isinstance(value, str):
+            slots.append((node, key))
+        elif isinstance(value, (dict, list)):
+            slots.extend(_string_slots(value))
+    return slots
+
+
+def _poison(draw, body: dict) -> bytes | None:
+    """`body` encoded with one of its strings replaced by bad bytes or deep nesting; None: left alone."""
+    slots = _string_slots(body)
+    if not slots or draw(st.integers(0, 3)):
+        return None
+    container, key = draw(st.sampled_from(slots))
+    container[key] = SENTINEL
+    raw = msgspec.json.encode(body)
+    if draw(st.booleans()):
+        depth = draw(st.integers(65, 3000))
+        opener, closer = draw(st.sampled_from([(b"[", b"]"), (b'{"a":', b"}")]))
+        return raw.replace(b'"' + SENTINEL.encode() + b'"', opener * depth + b"1" + closer * depth)
+    return raw.replace(SENTINEL.encode(), draw(st.sampled_from(POISONS)))
 
 
 @st.composite
 def request_bodies(draw):
-    """A body for a random endpoint: mostly plausible fields, some wild values, unknown keys, garbage."""
+    """A body for a random endpoint: mostly plausible fields, some wild values, unknown keys, garbage,
+    and bad bytes or deep nesting in place of a string (then it must be a 400: the last item)."""
     path = draw(st.sampled_from(sorted(FIELDS)))
     if draw(st.integers(0, 9)) == 0:
-        return path, draw(st.binary(max_size=40))
+        return path, draw(st.binary(max_size=40)), False
     body = {}
     for name, valid in FIELDS[path].items():
         if name in REQUIRED or draw(st.integers(0, 2)) == 0:
@@ -625,19 +660,28 @@ def request_bodies(draw):
         body.setdefault("max_tokens", 4)
     elif path != "/api/show" and not isinstance(body.get("options"), dict):
         body["options"] = {"num_predict": 4}
-    return path, msgspec.json.encode(body)
+    poisoned = _poison(draw, body)
+    return path, poisoned or msgspec.json.encode(body), poisoned is not None
 
 
 @settings(max_examples=80, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=request_bodies())
 def test_fuzzed_bodies_never_500_or_hang(http, case):
-    """Random and mutated request bodies get 200 or a 4xx/501 with a JSON body: no 500, crash or hang."""
-    path, body = case
+    """Random and mutated request bodies get 200 or a 4xx/501 with a JSON body: no 500, crash or hang;
+    bad bytes and deep nesting get 400 in the API's error shape."""
+    path, body, poisoned = case
     with http.stream("POST", path, content=body, headers={"content-type": "application/json"}) as r:
         raw = r.read()
-    event(f"{path} {r.status_code}")  # --hypothesis-show-statistics shows how many got through
+    event(f"{path} {r.status_code}{' poisoned' if poisoned else ''}")  # --hypothesis-show-statistics
     assert r.status_code in OK_STATUSES, (r.status_code, raw[:500])
+    if poisoned:
+        assert r.status_code == 400, raw[:500]
+        err = json.loads(raw)["error"]
+        if path.startswith("/api/"):
+            assert isinstance(err, str)
+        else:
+            assert set(err) == {"message", "type", "param", "code"}
     if r.headers["content-type"].startswith("text/event-stream"):
         assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
     else:

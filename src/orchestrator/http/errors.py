@@ -8,6 +8,7 @@ field, a gone worker is 503, a timeout 504. A 500 means a bug in mlxrt.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import msgspec
 
@@ -117,7 +118,7 @@ def from_decode_error(exc: msgspec.DecodeError, prefix: str = "") -> HttpError:
 _FIELD = re.compile(r"invalid (\w+)")
 
 
-def from_value_error(exc: ValueError, names: dict[str, str]) -> HttpError:
+def from_value_error(exc: ValueError, names: Mapping[str, str]) -> HttpError:
     """A `ValueError` from request validation; `names` maps mlxrt field names to the API's."""
     text = str(exc)
     m = _FIELD.search(text)

@@ -20,6 +20,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from typing import Any
 
 import msgspec
@@ -27,10 +28,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ... import __version__
 from ...ipc.protocol import MAX_REPETITION_CONTEXT
 from ..errors import MlxrtError
-from .app import UNLIMITED_TOKENS, Generation, Service, iso_now, json_response
 from .errors import HttpError, from_runtime_error, ollama_body
 from .schemas import (
     ENCODER,
@@ -51,6 +50,7 @@ from .schemas import (
     OllamaTags,
     OllamaVersion,
 )
+from .service import UNLIMITED_TOKENS, Generation, Service, iso_now, json_response
 from .streaming import NDJSON_HEADERS, EventStream
 
 #: Ollama's own defaults (api.DefaultOptions), used when a request leaves an option out.
@@ -298,7 +298,7 @@ class OllamaApi:
                                         capabilities=["completion"], modified_at=facts.modified_at))
 
     async def version(self, request: Request) -> Response:
-        return json_response(OllamaVersion(__version__))
+        return json_response(OllamaVersion(version("mlxrt")))
 
     def _details(self, name: str) -> OllamaDetails:
         facts = self.svc.facts(name)

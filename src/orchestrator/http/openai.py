@@ -22,7 +22,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..errors import MlxrtError
-from .app import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
 from .errors import HttpError, from_runtime_error, openai_body
 from .schemas import (
     ENCODER,
@@ -41,6 +40,7 @@ from .schemas import (
     OpenAISampling,
     Usage,
 )
+from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's documented defaults where they differ from mlxrt's.

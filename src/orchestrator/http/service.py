@@ -1,0 +1,296 @@
+"""What both APIs share: the `Service` their handlers hold and the `Generation` they stream.
+
+`Service` holds the runtime, the config and the metrics; it resolves model
+names (a name, or the path a model is served from), reads and checks bodies
+(`body.py`), checks sampling parameters against the model and starts
+generations. Imports run one way: app.py, then openai.py and ollama.py, then this.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import MlxrtError
+from ..runtime import AsyncRuntime, AsyncStream, Chunk
+from .body import decode, read_body
+from .config import ServerConfig
+from .errors import HttpError, from_runtime_error, from_value_error
+from .metrics import Metrics
+from .schemas import ENCODER
+from .streaming import ClientGone, until_disconnect
+
+log = structlog.get_logger("mlxrt.http")
+
+T = TypeVar("T")
+
+#: "Until the context is full": the worker clamps max_tokens to context minus prompt.
+UNLIMITED_TOKENS = 1 << 30
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What /api/show, /api/tags and /api/ps report, and the vocabulary size requests are checked
+    against: read from the model's config.json when local."""
+
+    ref: str
+    family: str = ""
+    quantization: str = ""
+    context_length: int = 0
+    vocab_size: int = 0  #: the key the worker checks token ids against; 0: unknown
+    size_bytes: int = 0
+    modified_at: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, ref: str) -> ModelFacts:
+        path = Path(ref).expanduser()
+        cfg_path = path / "config.json"
+        try:
+            config = json.loads(cfg_path.read_text())
+        except (OSError, ValueError):
+            return cls(ref=ref, modified_at=iso_now())
+        quant = config.get("quantization") or {}
+        bits = quant.get("bits") if isinstance(quant, dict) else None
+        weights = list(path.glob("*.safetensors"))
+        mtime = max((p.stat().st_mtime for p in [cfg_path, *weights]), default=time.time())
+        return cls(
+            ref=ref,
+            family=str(config.get("model_type", "")),
+            quantization=f"Q{bits}" if bits else str(config.get("torch_dtype", config.get("dtype", ""))),
+            context_length=int(config.get("max_position_embeddings") or 0),
+            vocab_size=int(config.get("vocab_size") or 0),
+            size_bytes=sum(p.stat().st_size for p in weights),
+            modified_at=iso(mtime),
+            config=config,
+        )
+
+
+def iso(ts: float) -> str:
+    """RFC 3339 in UTC with a ``Z``, as Ollama writes timestamps."""
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def iso_now() -> str:
+    return iso(time.time())
+
+
+class Generation:
+    """One generation in flight: its stream, its first chunk and what the client received.
+
+    `finish(reason)` records it once: metrics and one log line.
+    """
+
+    __slots__ = ("svc", "endpoint", "model", "stream", "first", "t0", "ttft_s", "tokens", "_finished")
+
+    def __init__(self, svc: Service, endpoint: str, model: str, stream: AsyncStream, t0: float) -> None:
+        self.svc = svc
+        self.endpoint = endpoint
+        self.model = model
+        self.stream = stream
+        self.first: Chunk | None = None
+        self.t0 = t0
+        self.ttft_s = 0.0
+        self.tokens = 0
+        self._finished = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.stream.stats.prompt_tokens if self.stream.stats else 0
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stream.finish_reason or "stop"
+
+    async def collect(self, receive) -> tuple[str, list[int]]:
+        """The whole completion (text, ids); the generation stops if the client disconnects."""
+        texts: list[str] = []
+        ids: list[int] = []
+        if self.first is not None:
+            texts.append(self.first.text)
+            ids.extend(self.first.tokens)
+
+        async def drain() -> None:
+            async for c in self.stream:
+                texts.append(c.text)
+                ids.extend(c.tokens)
+
+        await self.unless_gone(receive, drain())
+        self.tokens = len(ids)
+        self.finish(self.finish_reason)
+        return "".join(texts), ids
+
+    async def unless_gone(self, receive, work: Awaitable[T]) -> T:
+        """Await `work` unless the client disconnects first; a disconnect or a runtime error
+        is recorded as this generation's outcome and re-raised (as an HTTP error)."""
+        try:
+            return await until_disconnect(receive, work)
+        except ClientGone:
+            self.finish("disconnected")
+            raise
+        except MlxrtError as exc:
+            self.finish("error")
+            raise from_runtime_error(exc) from exc
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The first chunk (awaited before the response began), then the rest, counting
+        tokens sent; the stream is closed at the end (and by `on_close` if the client goes)."""
+        try:
+            if self.first is not None:
+                self.tokens += len(self.first.tokens)
+                yield self.first
+            async for c in self.stream:
+                self.tokens += len(c.tokens)
+                yield c
+        finally:
+            self.stream.close()
+
+    def on_close(self, gone: bool) -> None:
+        """`EventStream`'s end: disconnected, failed (no stats), or finished as the worker said."""
+        self.finish("disconnected" if gone else (self.finish_reason if self.stream.stats else "error"))
+
+    def finish(self, reason: str) -> None:
+        """Close the stream (a no-op once it ended) and record the outcome; idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        self.stream.close()
+        m = self.svc.metrics
+        m.finished.labels(self.model, reason).inc()
+        if self.tokens:
+            m.tokens.labels(self.model).inc(self.tokens)
+            m.ttft.labels(self.model).observe(self.ttft_s)
+        stats = self.stream.stats
+        if stats is not None and stats.decode_tps > 0:
+            m.decode_rate.labels(self.model).observe(stats.decode_tps)
+        log.info("http.generation", endpoint=self.endpoint, model=self.model, reason=reason,
+                 prompt_tokens=self.prompt_tokens, tokens=self.tokens,
+                 ttft_ms=round(self.ttft_s * 1e3, 2),
+                 total_ms=round((time.perf_counter() - self.t0) * 1e3, 2))
+
+
+class Service:
+    """What the handlers share: the runtime, the config, the metrics, the models' facts."""
+
+    def __init__(self, rt: AsyncRuntime, config: ServerConfig, model_refs: Mapping[str, str]) -> None:
+        self.rt = rt
+        self.config = config
+        self.metrics = Metrics(lambda: rt.workers)
+        self.created = int(time.time())
+        self.model_refs = dict(model_refs)
+        self.aliases = path_aliases(self.model_refs)
+        self._facts: dict[str, ModelFacts] = {}
+
+    def facts(self, name: str) -> ModelFacts:
+        if name not in self._facts:
+            self._facts[name] = ModelFacts.read(self.model_refs.get(name, name))
+        return self._facts[name]
+
+    def vocab_size(self, name: str) -> int:
+        """The model's vocabulary size, 0 if unknown (then nothing is checked against it).
+
+        Read from config.json, the key the worker reads; a model that is not a local
+        directory (a Hugging Face id, ``synthetic:``) needs its worker's Ready report.
+        """
+        return self.facts(name).vocab_size
+
+    def model(self, requested: str, *, ollama: bool = False) -> str:
+        """The served model called `requested`, or served from the path `requested` (Ollama's
+        ``:latest`` tag optional); 404 otherwise."""
+        served = self.rt.models
+        name = self._served(requested, served)
+        if name is None and ollama and requested.endswith(":latest"):
+            name = self._served(requested[: -len(":latest")], served)
+        if name is not None:
+            return name
+        if not requested:
+            raise HttpError(400, f"model: required; this server serves {served}", param="model")
+        raise HttpError(404, f"model {requested!r} not found; this server serves {served}",
+                        param="model", code="model_not_found")
+
+    def _served(self, requested: str, served: list[str]) -> str | None:
+        name = requested if requested in served else self.aliases.get(requested)
+        return name if name in served else None
+
+    async def read(self, request: Request, decoder: msgspec.json.Decoder, prefix: str = "") -> Any:
+        """Read the body (at most `max_body_bytes`, else 413) and decode it strictly (else 400)."""
+        return decode(await read_body(request, self.config.max_body_bytes), decoder, prefix)
+
+    async def start(
+        self,
+        request: Request,
+        endpoint: str,
+        prompt: Any,
+        model: str,
+        params: dict[str, Any],
+        names: Mapping[str, str],
+        t0: float,
+    ) -> Generation:
+        """Start a generation and wait for its first chunk (or its end, or its error)."""
+        check_vocabulary(params, self.vocab_size(model), names)
+        try:
+            stream = self.rt.stream(prompt, model=model, **params)
+        except ValueError as exc:
+            raise from_value_error(exc, names) from None
+        except MlxrtError as exc:
+            raise from_runtime_error(exc) from None
+        gen = Generation(self, endpoint, model, stream, t0)
+        gen.first = await gen.unless_gone(request.receive, _first(stream))
+        gen.ttft_s = time.perf_counter() - t0
+        return gen
+
+
+async def _first(stream: AsyncStream) -> Chunk | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def path_aliases(model_refs: Mapping[str, str]) -> dict[str, str]:
+    """``{ref: name}``: a model also answers to the reference it is served from, as given and,
+    for a local directory, resolved (as mlx_lm.server does); a shared path is the first model's."""
+    aliases: dict[str, str] = {}
+    for name, ref in model_refs.items():
+        aliases.setdefault(ref, name)
+        path = Path(ref).expanduser()
+        if path.is_dir():
+            aliases.setdefault(str(path.resolve()), name)
+    return aliases
+
+
+def check_vocabulary(params: Mapping[str, Any], vocab_size: int, names: Mapping[str, str]) -> None:
+    """`HttpError` 400 for a sampling parameter beyond the model's vocabulary (0: unknown, unchecked),
+    named as the API names it (`names` maps mlxrt's field names to the API's)."""
+    if not vocab_size:
+        return
+    top_k = params.get("top_k")
+    if isinstance(top_k, int) and top_k >= vocab_size:  # mlx-lm's sampler takes (0, vocab_size)
+        name = names.get("top_k", "top_k")
+        raise HttpError(400, f"invalid {name}={top_k}: must be < the model's vocabulary size, {vocab_size} "
+                             f"(0 disables)", param=name)
+    bad = [t for t in params.get("stop_token_ids") or () if isinstance(t, int) and t >= vocab_size]
+    if bad:
+        name = names.get("stop_token_ids", "stop_token_ids")
+        raise HttpError(400, f"invalid {name}: ids outside the model's vocabulary [0, {vocab_size}): "
+                             f"{bad[:5]}", param=name)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(ENCODER.encode(obj), status_code=status, media_type=JSON)
