@@ -339,6 +339,23 @@ def test_health_and_metrics(http):
     assert metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200") >= 1
 
 
+def test_cached_tokens_in_usage_and_metrics(oai, http):
+    """A chat's second turn reports its cached prefix as usage.prompt_tokens_details.cached_tokens,
+    and /metrics counts it; batch and queue gauges exist per worker."""
+    msgs = [{"role": "system", "content": "You are a careful assistant who explains the sea. " * 6},
+            {"role": "user", "content": "First question"}]
+    first = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Second question"}]
+    before = metric(http, "mlxrt_cached_prompt_tokens_total", model="tiny")
+    second = oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=6)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    assert metric(http, "mlxrt_cached_prompt_tokens_total", model="tiny") - before == cached
+    text = http.get("/metrics").text
+    assert "mlxrt_worker_batch_size{" in text and "mlxrt_worker_queued{" in text
+
+
 def test_api_key_is_required_when_configured(srv):
     """With an API key every endpoint but /health needs 'Authorization: Bearer KEY': 401 otherwise."""
     url = srv.serve(ServerConfig(api_key="s3cret"))

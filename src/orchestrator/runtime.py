@@ -23,7 +23,17 @@ import msgspec
 import structlog
 
 from .. import logs
-from ..ipc.protocol import ChatMessage, Done, EngineOptions, Failed, Generate, SamplingParams, Stats, Tokens
+from ..ipc.protocol import (
+    ChatMessage,
+    Done,
+    EngineOptions,
+    Failed,
+    Generate,
+    Ready,
+    SamplingParams,
+    Stats,
+    Tokens,
+)
 from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
@@ -544,6 +554,11 @@ class Runtime:
         stream = self.stream(prompt, model=model, keep_alive=keep_alive, **params)
         return _collect(list(stream), stream)
 
+    def model_info(self, model: str | None = None) -> Ready | None:
+        """What a worker of `model` reported when it became ready (context length, vocabulary
+        size, versions, device); None until one has."""
+        return next((s.ready for s in self._pool.model_slots(model) if s.ready is not None), None)
+
     def memory(self, timeout: float = 5.0) -> list[WorkerMemory]:
         """Each loaded worker's MLX and process memory (one round trip each)."""
         found = (s.memory(timeout) for s in self._pool.all())
@@ -641,6 +656,9 @@ class AsyncRuntime:
         stream = self.stream(prompt, model=model, keep_alive=keep_alive, **params)
         chunks = [c async for c in stream]
         return _collect(chunks, stream)
+
+    def model_info(self, model: str | None = None) -> Ready | None:
+        return self.runtime.model_info(model)
 
     async def memory(self, timeout: float = 5.0) -> list[WorkerMemory]:
         return await asyncio.to_thread(self.runtime.memory, timeout)

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import structlog
 
-from ..ipc.protocol import Done, Generate, Stats
+from ..ipc.protocol import Done, Generate, Ready, Stats
 from .config import Supervision
 from .errors import ModelFailedError, WorkerDied
 from .handle import Entry, ExitCallback, Sink, WorkerHandle, WorkerInfo, WorkerMemory
@@ -63,6 +63,8 @@ class Slot:
         self._closing = False
         self._failure = ""
         self.restarts = 0
+        #: The last Ready report of this slot's workers: kept across restarts and unloads.
+        self.ready: Ready | None = None
         self.last_used = time.monotonic()
         self.keep_alive_s = policy.keep_alive_s
 
@@ -78,6 +80,7 @@ class Slot:
         handle.wait_ready()
         with self._lock:
             self.handle, self._loading, self.state = handle, None, "ready"
+            self.ready = handle.ready
 
     # -- requests -----------------------------------------------------------
     @property
@@ -231,6 +234,7 @@ class Slot:
             else:
                 stale = None
                 self.handle, self.state = handle, "ready"
+                self.ready = handle.ready
                 self.restarts += restart
                 self.last_used = time.monotonic()
                 pending, self._pending = list(self._pending), deque()

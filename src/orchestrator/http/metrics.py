@@ -55,13 +55,22 @@ class _Workers:
                                      labels=["model", "worker"])
         in_flight = GaugeMetricFamily("mlxrt_worker_in_flight", "Requests in flight on each worker.",
                                       labels=["model", "worker"])
+        batch = GaugeMetricFamily("mlxrt_worker_batch_size", "Sequences in each worker's batch.",
+                                  labels=["model", "worker"])
+        queued = GaugeMetricFamily("mlxrt_worker_queued",
+                                   "Requests waiting for a place in each worker's batch.",
+                                   labels=["model", "worker"])
         for w in workers:
             restarts.add_metric([w.model, w.name], w.restarts)
             tokens.add_metric([w.model, w.name], w.tokens)
             in_flight.add_metric([w.model, w.name], w.in_flight)
+            batch.add_metric([w.model, w.name], w.batch_size)
+            queued.add_metric([w.model, w.name], w.queued)
         yield restarts
         yield tokens
         yield in_flight
+        yield batch
+        yield queued
 
 
 class Metrics:
@@ -82,6 +91,11 @@ class Metrics:
         self.ttft = Histogram("mlxrt_time_to_first_token_seconds",
                               "Time from request arrival to the first token, in the server.",
                               ["model"], buckets=TTFT_BUCKETS_S, registry=r)
+        self.prompt_tokens = Counter("mlxrt_prompt_tokens", "Prompt tokens of finished generations.",
+                                     ["model"], registry=r)
+        self.cached_tokens = Counter("mlxrt_cached_prompt_tokens",
+                                     "Prompt tokens served from the workers' prefix caches.",
+                                     ["model"], registry=r)
         self.decode_rate = Histogram("mlxrt_decode_tokens_per_second",
                                      "Decode rate of each generation, as the worker measured it.",
                                      ["model"], buckets=DECODE_BUCKETS_TPS, registry=r)

@@ -38,6 +38,7 @@ from .schemas import (
     ModelCard,
     ModelList,
     OpenAISampling,
+    PromptTokensDetails,
     Usage,
 )
 from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
@@ -135,7 +136,8 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
 
 
 def usage_of(gen: Generation) -> Usage:
-    return Usage(gen.prompt_tokens, gen.tokens, gen.prompt_tokens + gen.tokens)
+    cached = gen.stream.stats.cached_tokens if gen.stream.stats else 0
+    return Usage(gen.prompt_tokens, gen.tokens, gen.prompt_tokens + gen.tokens, PromptTokensDetails(cached))
 
 
 def _error_event(exc: MlxrtError) -> bytes:

@@ -99,10 +99,15 @@ class CompletionRequest(OpenAISampling, kw_only=True):
 # ---- OpenAI responses -------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  #: prompt tokens served from the worker's prefix cache
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
 class CompletionChoice(Struct, kw_only=True):

@@ -173,8 +173,11 @@ class Generation:
             m.tokens.labels(self.model).inc(self.tokens)
             m.ttft.labels(self.model).observe(self.ttft_s)
         stats = self.stream.stats
-        if stats is not None and stats.decode_tps > 0:
-            m.decode_rate.labels(self.model).observe(stats.decode_tps)
+        if stats is not None:
+            m.prompt_tokens.labels(self.model).inc(stats.prompt_tokens)
+            m.cached_tokens.labels(self.model).inc(stats.cached_tokens)
+            if stats.decode_tps > 0:
+                m.decode_rate.labels(self.model).observe(stats.decode_tps)
         log.info("http.generation", endpoint=self.endpoint, model=self.model, reason=reason,
                  prompt_tokens=self.prompt_tokens, tokens=self.tokens,
                  ttft_ms=round(self.ttft_s * 1e3, 2),
@@ -201,10 +204,11 @@ class Service:
     def vocab_size(self, name: str) -> int:
         """The model's vocabulary size, 0 if unknown (then nothing is checked against it).
 
-        Read from config.json, the key the worker reads; a model that is not a local
-        directory (a Hugging Face id, ``synthetic:``) needs its worker's Ready report.
+        From the model's workers' Ready report, else from its config.json (the key the
+        worker reads).
         """
-        return self.facts(name).vocab_size
+        info = self.rt.model_info(name)
+        return info.vocab_size if info is not None and info.vocab_size else self.facts(name).vocab_size
 
     def model(self, requested: str, *, ollama: bool = False) -> str:
         """The served model called `requested`, or served from the path `requested` (Ollama's
