@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
-    mk.add_argument("preset", help="tiny, small, qwen2.5-0.5b-4bit, qwen2.5-7b-4bit")
+    mk.add_argument("preset", help="tiny, small, tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, "
+                    "tiny-gemma3, tiny-gpt-oss, or a 4-bit real shape such as qwen3-8b-4bit "
+                    "(all presets: docs/models.md)")
     mk.add_argument("--out", required=True, help="directory to write")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--force", action="store_true", help="rewrite even if the directory is current")
