@@ -5,7 +5,7 @@
         print(rt.generate("Hello", max_tokens=16).text)
 """
 
-from .ipc.protocol import SamplingParams, Stats
+from .ipc.protocol import EngineOptions, SamplingParams, Stats
 from .orchestrator.config import Supervision, Timeouts
 from .orchestrator.errors import (
     ChannelError,
@@ -24,6 +24,7 @@ from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EngineOptions",
     "AsyncRuntime",
     "AsyncStream",
     "ChannelError",
