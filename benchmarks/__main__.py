@@ -7,9 +7,13 @@ peers that can run here (mlx-lm's server, llama.cpp, Ollama). Every mlxrt
 scenario must produce native's token ids (the quality gate: a mismatch exits 1;
 where native decoding is itself nondeterministic, as with MLX's CUDA backend,
 tokens are checked by teacher forcing instead: benchmarks/gate.py).
-Then the per-component costs are measured directly, and optionally N streams
-at once (``--concurrency``). Tables go to stdout, progress to stderr, and the
-last line of stdout is one JSON document with every figure.
+Then the parts (``--part``): the per-component costs, measured directly; N
+streams at once (``--streams``) on mlxrt, mlxrt over HTTP, mlx_lm.server and
+mlx-lm's own continuous batching in-process (``native-batch``, whose ids are
+the reference for mlxrt's streams); and agents holding growing multi-turn
+chats over a shared system prompt (benchmarks/agents.py). Tables go to
+stdout, progress to stderr, and the last line of stdout is one JSON document
+with every figure.
 """
 
 from __future__ import annotations
@@ -20,23 +24,26 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import components, records, report
+from . import agents, components, records, report
 from .concurrency import run_level
 from .env import backend, default_preset, describe, git_commit
 from .gate import Gate, first_divergence
 from .measure import Run, agreement, diff_spread, finite, peak_rss_bytes, ratio_spread, spread, text_agreement
 from .peers import PEERS, LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
-from .scenarios import Embedded, Native, Skipped
+from .scenarios import Embedded, Native, NativeBatch, Skipped
 
 MLXRT_SCENARIOS = ("mlxrt-ring", "mlxrt-stdio", "mlxrt-http")
 SCENARIOS = ("native", *MLXRT_SCENARIOS)
-PARTS = ("components", "concurrency")
+PARTS = ("components", "concurrency", "agent")
+NATIVE_BATCH = "native-batch"
 DEFAULT_CONCURRENCY = "1,4,16"
+FULL_CONCURRENCY = "1,4,16,32"  # --full, and the default on a GPU
+AGENT_FLAGS = ("agents", "turns", "reply_tokens", "system_words", "agent_rounds")
 DEFAULTS = {"prompt_tokens": 128, "gen_tokens": 128, "rounds": 5}
 QUICK = {"prompt_tokens": 32, "gen_tokens": 32, "rounds": 2}
 WARMUP_TOKENS = 16
@@ -54,6 +61,9 @@ class Plan:
     components: bool = True
     concurrency: list[int] = field(default_factory=list)
     concurrency_note: str = ""
+    agent: bool = True
+    #: the HTTP peer the concurrency and agent parts compare with, unless --peers leaves it out
+    http_peers: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
 
@@ -61,8 +71,21 @@ def _names(s: str | None) -> list[str]:
     return [n.strip() for n in (s or "").split(",") if n.strip()]
 
 
+def full_sizes(args: argparse.Namespace) -> bool:
+    """The issue's full sizes (32 streams, 8 agents x 6 turns): with --full, and on a GPU."""
+    return bool(args.full) or backend() != "cpu"
+
+
+def agent_sizes(args: argparse.Namespace) -> agents.Sizes:
+    """The agent part's sizes: the flags given, else --quick's, the full ones, or the CPU's."""
+    base = agents.QUICK if args.quick else agents.FULL if full_sizes(args) else agents.CPU
+    given = {k: getattr(args, k) for k in AGENT_FLAGS if getattr(args, k) is not None}
+    rounds = given.pop("agent_rounds", 1)
+    return agents.Sizes(**{**base, **given}, rounds=rounds)
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
-    """Turn --only, --peers and --concurrency into a `Plan`."""
+    """Turn --only/--part, --peers, --streams and the agent flags into a `Plan`."""
     plan = Plan()
     choices = (*SCENARIOS, *PEERS, *PARTS, "e2e")
     peers_given = args.peers is not None
@@ -73,6 +96,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if n not in PEERS:
             plan.skipped[n] = f"unknown peer; choose from {', '.join(PEERS)} (or none)"
     peer_names = [n for n in peer_names if n in PEERS]
+    plan.http_peers = [n for n in ("mlx_lm.server",) if not peers_given or n in peer_names]
+    want_agent = any(getattr(args, k) is not None for k in AGENT_FLAGS)
     if args.only:
         only = _names(args.only)
         for n in only:
@@ -83,6 +108,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan.peers = list(dict.fromkeys(listed_peers + (peer_names if peers_given else [])))
         plan.components = "components" in only
         want_conc = "concurrency" in only or (args.concurrency not in (None, "none", ""))
+        plan.agent = want_agent or "agent" in only
     else:
         plan.scenarios = list(SCENARIOS)
         plan.peers = peer_names
@@ -91,14 +117,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan.scenarios.insert(0, "native")  # the baseline and the token reference, concurrency's too
     if want_conc:
         try:
-            plan.concurrency = sorted({int(x) for x in _names(args.concurrency or DEFAULT_CONCURRENCY)})
+            default = FULL_CONCURRENCY if full_sizes(args) else DEFAULT_CONCURRENCY
+            plan.concurrency = sorted({int(x) for x in _names(args.concurrency or default)})
         except ValueError:
-            plan.skipped["concurrency"] = f"--concurrency {args.concurrency!r}: expected numbers like 1,4,16"
+            plan.skipped["concurrency"] = f"--streams {args.concurrency!r}: expected numbers like 1,4,16"
         if any(n < 1 for n in plan.concurrency):
             plan.concurrency = []
-            plan.skipped["concurrency"] = f"--concurrency {args.concurrency!r}: stream counts must be >= 1"
+            plan.skipped["concurrency"] = f"--streams {args.concurrency!r}: stream counts must be >= 1"
     else:
-        plan.concurrency_note = "not asked for (--concurrency none, or --only without concurrency)"
+        plan.concurrency_note = "not asked for (--streams none, or --part without concurrency)"
     return plan
 
 
@@ -119,13 +146,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {DEFAULTS['rounds']})")
     p.add_argument(
-        "--concurrency", help=f"streams at once (default {DEFAULT_CONCURRENCY}; none to leave the part out)"
+        "--streams",
+        "--concurrency",
+        dest="concurrency",
+        metavar="N,N,...",
+        help=f"stream counts of the concurrency part (default {DEFAULT_CONCURRENCY}, "
+        f"{FULL_CONCURRENCY} with --full or on a GPU; none to leave the part out)",
     )
     p.add_argument("--workers", type=int, default=2, help="workers of the multi-worker concurrency target")
     p.add_argument(
+        "--part",
         "--only",
-        help=f"comma-separated: scenarios ({','.join(SCENARIOS)}), peers "
-        f"({','.join(PEERS)}), parts ({','.join(PARTS)}) or e2e",
+        dest="only",
+        metavar="NAMES",
+        help=f"run only these, comma-separated: parts ({','.join(PARTS)}), scenarios "
+        f"({','.join(SCENARIOS)}), peers ({','.join(PEERS)}) or e2e",
+    )
+    sizes = ", ".join(f"{k} {agents.CPU[k]}/{agents.FULL[k]}" for k in agents.FULL)
+    a = p.add_argument_group(
+        "agent part", f"defaults on a CPU / with --full or on a GPU: {sizes}; --quick: smaller still"
+    )
+    a.add_argument("--agents", type=int, help="agents at once, each with its own conversation")
+    a.add_argument("--turns", type=int, help="turns per agent (user message, then the reply)")
+    a.add_argument("--reply-tokens", type=int, help="tokens per reply (max_tokens; EOS off where it can be)")
+    a.add_argument("--system-words", type=int, help="words of the shared system prompt")
+    a.add_argument("--agent-rounds", type=int, help="rounds, the servers alternating (default 1)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the full sizes on a CPU too: streams {FULL_CONCURRENCY}, agents "
+        + " x ".join(str(agents.FULL[k]) for k in ("agents", "turns", "reply_tokens"))
+        + f" tokens over {agents.FULL['system_words']} words",
     )
     p.add_argument("--peers", help=f"comma-separated peers to try (default: all of {','.join(PEERS)}; none)")
     p.add_argument(
@@ -140,8 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    for k in ("prompt_tokens", "gen_tokens", "rounds", "workers"):
-        if getattr(args, k) < 1:
+    for k in ("prompt_tokens", "gen_tokens", "rounds", "workers", *AGENT_FLAGS):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     return args
 
@@ -188,7 +239,9 @@ class Suite:
         self.token_gate: Gate | None = None  # decided after the rounds: identity or teacher forcing
         self.concurrency_runs: dict[str, dict[int, list[Run]]] = {}  # token-checked targets only
         self.conc_prompts: dict[int, list[list[int]]] = {}  # streams -> one prompt per stream
-        self.conc_refs: dict[int, list[list[int]]] = {}  # native's tokens for those prompts
+        self.conc_refs: dict[int, list[list[int]]] = {}  # reference tokens for those prompts, per stream
+        self.conc_ref_basis: dict[int, str] = {}  # streams -> whose tokens they are: native-batch or native
+        self.batch_checks: dict[int, list[dict[str, Any]]] = {}  # native-batch's streams against native's
         self.checked: dict[str, bool] = {}  # name -> token_checked, kept after close
 
     # -- set-up --
@@ -326,6 +379,37 @@ class Suite:
                 )
 
     # -- concurrency --
+    def concurrency_targets(self) -> list[tuple[str, Any]]:
+        """mlxrt in-process (1 and --workers workers), over HTTP, the peers, and native-batch."""
+        path = self.model_path
+        assert path is not None
+        targets: list[tuple[str, Any]] = []
+        one = next((n for n in ("mlxrt-ring", "mlxrt-stdio") if n in self.live), None)
+        if one:
+            targets.append((f"mlxrt-w1 ({one.removeprefix('mlxrt-')})", self.live[one]))
+        elif (s := self.setup("mlxrt-w1", lambda: Embedded(path, "auto", name="mlxrt-w1"))) is not None:
+            targets.append(("mlxrt-w1", s))
+        w = self.args.workers
+        if w > 1:
+            s = self.setup(f"mlxrt-w{w}", lambda: Embedded(path, "auto", workers=w, name=f"mlxrt-w{w}"))
+            if s is not None:
+                targets.append((f"mlxrt-w{w}", s))
+        http, http_why = http_scenarios()
+        for name in ("mlxrt-http", *self.plan.http_peers):  # servers the end-to-end rounds did not start
+            if name in self.live or name in self.skipped:
+                continue
+            if name in http:
+                self.setup(name, lambda n=name: make_http(http[n], path))
+            else:
+                self.skip(name, http_why or f"benchmarks.http_scenario has no {name}")
+        targets += [(n, self.live[n]) for n in ("mlxrt-http", *PEERS) if n in self.live]
+        native = self.live.get("native")
+        model = native.model if native is not None else None
+        s = self.setup(NATIVE_BATCH, lambda: NativeBatch(path, model=model))
+        if s is not None:
+            targets.append((NATIVE_BATCH, s))
+        return targets
+
     def concurrency(self) -> dict[str, Any]:
         levels = self.plan.concurrency
         if not levels:
@@ -333,57 +417,97 @@ class Suite:
         if self.model_path is None or not self.prompt:  # no native run: no prompt, nothing to check against
             return {"not_run": self.skipped.get("native", "native did not run")}
         out: dict[str, Any] = {"levels": levels, "targets": {}, "skipped": {}}
-        w = self.args.workers
-        one = next((n for n in ("mlxrt-ring", "mlxrt-stdio") if n in self.live), None)
-        targets: list[tuple[str, Any]] = []
-        path = self.model_path
-        if one:
-            targets.append((f"mlxrt-w1 ({one.removeprefix('mlxrt-')})", self.live[one]))
-        else:
-            s = self.setup("mlxrt-w1", lambda: Embedded(path, "auto", name="mlxrt-w1"))
-            if s is not None:
-                targets.append(("mlxrt-w1", s))
-        if w > 1:
-            s = self.setup(f"mlxrt-w{w}", lambda: Embedded(path, "auto", workers=w, name=f"mlxrt-w{w}"))
-            if s is not None:
-                targets.append((f"mlxrt-w{w}", s))
-        targets += [(n, self.live[n]) for n in ("mlxrt-http", *PEERS) if n in self.live]
+        targets = self.concurrency_targets()
         k = self.args.rounds + 1  # past the end-to-end prompts: no prompt is ever sent twice
         for n in levels:
             self.conc_prompts[n] = [
                 make_prompt(self.tokenizer, self.args.prompt_tokens, start=k + i)[0] for i in range(n)
             ]
             k += n
-        for name, s in targets:
-            out["targets"][name] = {}
-            for n in levels:
+        for name, s in targets:  # those set up here have not served a request yet
+            self.say(f"warm-up {name}")
+            try:
+                s.run(self.prompts[-1], min(WARMUP_TOKENS, self.args.gen_tokens))
+            except Exception as exc:
+                out["skipped"][name] = f"failed to warm up: {type(exc).__name__}: {exc}"
+                self.say(f"skip concurrency {name}: {out['skipped'][name]}")
+        for n in levels:  # level by level, the targets in turn: A B C at 1 stream, A B C at 4, ...
+            for name, s in targets:
+                if name in out["skipped"]:
+                    continue
                 self.say(f"concurrency {name}: {n} stream(s)")
                 try:
                     figures, runs = run_level(s, self.conc_prompts[n], self.args.gen_tokens)
-                except Exception as exc:
+                except Exception as exc:  # e.g. out of memory at 32 streams: the smaller counts stand
                     out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
                     self.say(f"skip concurrency {name}: {out['skipped'][name]}")
-                    break
-                if getattr(s, "token_checked", True):
+                    continue
+                if name == NATIVE_BATCH:
+                    self.conc_refs[n] = [r.tokens for r in runs]
+                    self.conc_ref_basis[n] = NATIVE_BATCH
+                elif getattr(s, "token_checked", True):
                     self.concurrency_runs.setdefault(name, {})[n] = runs
-                out["targets"][name][str(n)] = figures
+                out["targets"].setdefault(name, {})[str(n)] = figures
+                ttft = figures["ttft_ms"]
                 self.say(
                     f"  {report._f(figures['aggregate_tps'])} tok/s aggregate, TTFT median "
-                    f"{report._f(figures['ttft_ms']['median'])} ms"
+                    f"{report._f(ttft['median'])} ms, p90 {report._f(ttft['p90'])} ms"
                 )
         self.concurrency_references()
+        out["reference"] = {str(n): b for n, b in self.conc_ref_basis.items()}
+        out["native_batch_vs_native"] = {str(n): c for n, c in self.batch_checks.items()}
         return out
 
     def concurrency_references(self) -> None:
-        """Native's tokens for every concurrency prompt, for the token check of mlxrt's streams."""
+        """The reference ids of every concurrency stream: native-batch's at the same stream count,
+        or native's one prompt at a time where native-batch did not run. native-batch's first and
+        last streams are checked against native's own (a crossed or shifted batch shows there)."""
         native = self.live.get("native")
-        if native is None or not self.concurrency_runs:
+        if native is None:
             return
-        self.say(
-            f"native references for {sum(len(p) for p in self.conc_prompts.values())} concurrency prompts"
+        todo = {n: p for n, p in self.conc_prompts.items() if n not in self.conc_refs}
+        if self.concurrency_runs and todo:
+            self.say(f"native references for {sum(len(p) for p in todo.values())} concurrency prompts")
+            for n, prompts in todo.items():
+                self.conc_refs[n] = [native.run(p, self.args.gen_tokens).tokens for p in prompts]
+                self.conc_ref_basis[n] = "native"
+        batched = [n for n, b in self.conc_ref_basis.items() if b == NATIVE_BATCH]
+        if batched:
+            self.say(f"native-batch against native: first and last stream at {', '.join(map(str, batched))}")
+        for n in batched:
+            picks = sorted({0, n - 1})
+            self.batch_checks[n] = [
+                {
+                    "stream": i,
+                    **self.check_tokens(
+                        self.conc_prompts[n][i],
+                        self.conc_refs[n][i],
+                        native.run(self.conc_prompts[n][i], self.args.gen_tokens).tokens,
+                    ),
+                }
+                for i in picks
+            ]
+
+    # -- agents --
+    def agent(self) -> dict[str, Any]:
+        """The agent part on mlxrt serve and the HTTP peer (benchmarks/agents.py)."""
+        if not self.plan.agent:
+            return {"not_run": "not asked for (--part without agent)"}
+        if self.model_path is None:
+            return {"not_run": self.skipped.get("native", "the model could not be used")}
+        tokenizer = self.tokenizer
+        if tokenizer is None:  # no end-to-end rounds: the tokenizer only counts the system prompt's tokens
+            from mlx_lm.utils import load_tokenizer
+
+            tokenizer = load_tokenizer(Path(self.model_path))
+        sizes = agent_sizes(self.args)
+        return agents.run_part(
+            self.model_path,
+            sizes,
+            servers=["mlxrt-http", *self.plan.http_peers],
+            say=self.say,
+            tokenizer=tokenizer,
         )
-        for n, prompts in self.conc_prompts.items():
-            self.conc_refs[n] = [native.run(p, self.args.gen_tokens).tokens for p in prompts]
 
     # -- components --
     def components(self) -> dict[str, Any]:
@@ -503,10 +627,14 @@ class Suite:
                 for prompt, r, ref in zip(self.conc_prompts[n], rs, self.conc_refs[n], strict=True)
             ):
                 bad.append(f"{name} under concurrency")
+        if self.batch_checks:  # the reference itself: native-batch's streams are native's
+            checked.append(f"{NATIVE_BATCH} under concurrency")
+            if not all(c["ok"] for cs in self.batch_checks.values() for c in cs):
+                bad.append(f"{NATIVE_BATCH} under concurrency")
         mode = self.token_gate.describe() if self.token_gate else {"mode": "identical ids"}
         return {"passed": not bad, "checked": checked, "mismatched": bad, **mode}
 
-    def document(self, conc: dict[str, Any], comp: dict[str, Any]) -> dict[str, Any]:
+    def document(self, conc: dict[str, Any], comp: dict[str, Any], agent: dict[str, Any]) -> dict[str, Any]:
         scen = {n: self.scenario_doc(n, rs) for n, rs in self.runs.items() if rs}
         a = self.args
         env = describe()
@@ -529,6 +657,8 @@ class Suite:
                 "components": self.plan.components,
                 "concurrency": self.plan.concurrency,
                 "workers": a.workers,
+                "agent": asdict(agent_sizes(a)) if self.plan.agent else None,
+                "full": a.full,
             },
             "prompt": {
                 "tokens": len(self.prompt),
@@ -539,6 +669,7 @@ class Suite:
             "skipped": self.skipped,
             "components": comp,
             "concurrency": conc,
+            "agent": agent,
             "gate": self.gate(scen)
             if "native" in scen
             else {
@@ -554,20 +685,25 @@ class Suite:
 def run_suite(args: argparse.Namespace, plan: Plan, say: report.Progress) -> tuple[dict[str, Any], Suite]:
     suite = Suite(args, plan, say)
     conc: dict[str, Any] = {}
+    agent: dict[str, Any] = {"not_run": "not asked for (--part without agent)"}
+    wanted = plan.scenarios or plan.peers or plan.concurrency or plan.agent
     try:
-        if (plan.scenarios or plan.peers or plan.concurrency) and suite.resolve_model():
+        if wanted and suite.resolve_model():
             if plan.scenarios or plan.peers:
                 suite.set_up_e2e()
                 suite.e2e()
             conc = suite.concurrency()
-        elif plan.concurrency:
-            conc = {"not_run": suite.skipped.get("native", "")}
+            suite.close()  # the agent part starts servers of its own: free the others' memory first
+            agent = suite.agent()
         else:
-            conc = {"not_run": plan.concurrency_note}
+            why = f"model {suite.model!r} cannot be used"
+            conc = {"not_run": why if plan.concurrency else plan.concurrency_note}
+            if plan.agent:
+                agent = {"not_run": why}
     finally:
         suite.close()
     comp = suite.components()
-    return suite.document(conc, comp), suite
+    return suite.document(conc, comp, agent), suite
 
 
 def write_outputs(doc: dict[str, Any], suite: Suite, args: argparse.Namespace) -> None:

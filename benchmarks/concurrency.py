@@ -3,9 +3,10 @@
 Every stream sends its own prompt (greedy, EOS off, the same length), from its
 own thread, at the same moment (a barrier). Distinct prompts keep a server's
 prompt cache from serving one stream with another's prefill, and let the
-token check catch streams whose tokens were crossed. A worker serves its
-requests one at a time, so with more streams than workers the later ones
-queue: their TTFT includes that wait, and that is what a client sees.
+token check catch streams whose tokens were crossed. A worker that serves its
+requests one at a time makes the later ones queue: their TTFT includes that
+wait, and that is what a client sees. A target with ``run_batch`` (the
+in-process ``native-batch`` baseline) gets all the prompts in one call instead.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from .measure import Run, spread
 
 
 def run_level(scenario: Any, prompts: list[list[int]], gen_tokens: int) -> tuple[dict[str, Any], list[Run]]:
-    """Run one request per prompt on `scenario`, all at once; return the figures and the runs, in order.
+    """Run one request per prompt on `scenario`, all at once; return the figures and the runs, in order."""
+    batch = getattr(scenario, "run_batch", None)
+    runs = batch(prompts, gen_tokens) if callable(batch) else run_threads(scenario, prompts, gen_tokens)
+    return level_figures(runs), runs
 
-    aggregate_tps: all generated tokens over the window from the first request to
-    the last token. ttft_ms and latency_s (request to last token): spread over the
-    streams, queueing included.
-    """
+
+def run_threads(scenario: Any, prompts: list[list[int]], gen_tokens: int) -> list[Run]:
+    """``scenario.run`` once per prompt, each from its own thread, released together by a barrier."""
     streams = len(prompts)
     barrier = threading.Barrier(streams)
     runs: list[Run | None] = [None] * streams
@@ -42,17 +45,25 @@ def run_level(scenario: Any, prompts: list[list[int]], gen_tokens: int) -> tuple
         t.join()
     if errors:
         raise errors[0]
-    done = [r for r in runs if r is not None]
-    window = max(r.ended_at for r in done) - min(r.started_at for r in done)
-    tokens = sum(r.n_tokens for r in done)
-    figures = {
-        "streams": streams,
+    return [r for r in runs if r is not None]
+
+
+def level_figures(runs: list[Run]) -> dict[str, Any]:
+    """The figures of one stream count.
+
+    aggregate_tps: all generated tokens over the window from the first request to
+    the last token. ttft_ms (with its p90) and latency_s (request to last token):
+    spread over the streams, queueing included.
+    """
+    window = max(r.ended_at for r in runs) - min(r.started_at for r in runs)
+    tokens = sum(r.n_tokens for r in runs)
+    return {
+        "streams": len(runs),
         "aggregate_tps": tokens / window if window > 0 else float("nan"),
         "window_s": window,
         "tokens": tokens,
-        "ttft_ms": spread([r.ttft_ms for r in done]),
-        "latency_s": spread([r.total_s for r in done]),  # request to last token, queueing included
+        "ttft_ms": spread([r.ttft_ms for r in runs]),
+        "latency_s": spread([r.total_s for r in runs]),  # request to last token, queueing included
         # client-side; a stream whose tokens queued up behind a busy client thread reads as a burst
-        "per_stream_decode_tps": spread([r.decode_tps for r in done]),
+        "per_stream_decode_tps": spread([r.decode_tps for r in runs]),
     }
-    return figures, done

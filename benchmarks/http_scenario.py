@@ -18,6 +18,10 @@ request (as `benchmarks.peers` does), each SSE event parsed with msgspec.
   tokens are unknown.
   Its token list is ``[-1] * n``: ``token_checked = False``. EOS is disabled
   the way `Native` does it, by clearing the tokenizer's EOS ids after load.
+
+Both take ``extra_args`` for their command line (the agent part starts each
+with its prompt cache off for the uncached reference) and say how an
+OpenAI client reaches them: ``base_url``, ``model`` and ``chat_extra``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +117,11 @@ class _ServerProcess:
         self.port = 0
         self._log = None
 
+    @property
+    def base_url(self) -> str:
+        """The OpenAI API root, for the ``openai`` client."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
     def _start(self, argv: list[str]) -> None:
         # stderr to a file, not a pipe: nobody reads a pipe while we measure, and a
         # full one would stall the server mid-benchmark.
@@ -152,11 +161,15 @@ class HttpStream(_ServerProcess):
 
     name = "mlxrt-http"
     token_checked = True
+    model = MODEL_NAME
+    #: mlxrt's extensions: EOS off, and the ids of each chunk (the first token is seen even without text)
+    chat_extra = {"ignore_eos": True, "return_token_ids": True}
 
-    def __init__(self, model_path: str, transport: str = "auto") -> None:
+    def __init__(self, model_path: str, transport: str = "auto", *, extra_args: Sequence[str] = ()) -> None:
         super().__init__()
         self.model_path = model_path
         self.transport = transport
+        self.extra_args = list(extra_args)
 
     def setup(self) -> None:
         self.port = _free_port()
@@ -172,8 +185,12 @@ class HttpStream(_ServerProcess):
                 str(self.port),
                 "--transport",
                 self.transport,
+                *self.extra_args,
             ]
         )
+
+    def describe(self) -> dict[str, Any]:
+        return {"server": "mlxrt serve", "transport": self.transport, "args": self.extra_args}
 
     def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
         body = {
@@ -197,6 +214,8 @@ class MlxLmServer(_ServerProcess):
 
     name = "mlx_lm.server"
     token_checked = False
+    model = "default_model"
+    chat_extra: dict[str, Any] = {}  # no ignore_eos: the launcher clears the EOS ids instead
 
     # Runs mlx_lm.server with EOS disabled after load, as `Native` does in-process.
     LAUNCHER = (
@@ -211,9 +230,10 @@ class MlxLmServer(_ServerProcess):
         "s.main()\n"
     )
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, *, extra_args: Sequence[str] = ()) -> None:
         super().__init__()
         self.model_path = model_path
+        self.extra_args = list(extra_args)
         self.tokenizer = None
 
     def setup(self) -> None:
@@ -226,8 +246,20 @@ class MlxLmServer(_ServerProcess):
         self.tokenizer = load_tokenizer(Path(self.model_path))
         self.port = _free_port()
         self._start(
-            [sys.executable, "-c", self.LAUNCHER, "--model", self.model_path, "--port", str(self.port)]
+            [
+                sys.executable,
+                "-c",
+                self.LAUNCHER,
+                "--model",
+                self.model_path,
+                "--port",
+                str(self.port),
+                *self.extra_args,
+            ]
         )
+
+    def describe(self) -> dict[str, Any]:
+        return {"server": "mlx_lm.server", "eos": "off (EOS ids cleared after load)", "args": self.extra_args}
 
     def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
         body = {
@@ -248,3 +280,14 @@ class MlxLmServer(_ServerProcess):
                 arr.add(count=1)  # one event per token that has text
         n = usage.completion_tokens or arr.n
         return arr.run(prompt_tokens=usage.prompt_tokens, n_tokens=n, tokens=[-1] * n)
+
+
+def serve_accepts(flag: str) -> bool:
+    """Whether this checkout's ``mlxrt serve`` takes `flag` (read from its ``--help``)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "mlxrt", "serve", "--help"], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in out.stdout

@@ -132,7 +132,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def spread(xs: list[float]) -> dict[str, float]:
-    """Median and spread of a sample: min, max, p25, p75 and IQR relative to the median.
+    """Median and spread of a sample: min, max, p25, p75, p90 and IQR relative to the median.
 
     NaNs (a run that produced no figure) are left out; `n` counts what remains.
     """
@@ -144,6 +144,7 @@ def spread(xs: list[float]) -> dict[str, float]:
             "max": math.nan,
             "p25": math.nan,
             "p75": math.nan,
+            "p90": math.nan,
             "iqr_rel": math.nan,
             "n": 0,
         }
@@ -155,6 +156,7 @@ def spread(xs: list[float]) -> dict[str, float]:
         "max": max(xs),
         "p25": p25,
         "p75": p75,
+        "p90": percentile(xs, 90),
         "iqr_rel": (p75 - p25) / abs(med) if med else math.nan,
         "n": len(xs),
     }

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 MB = 1024 * 1024
+NATIVE_BATCH = "native-batch"
 
 
 class Progress:
@@ -48,10 +49,13 @@ def header(doc: dict) -> str:
     lines = [
         f"mlxrt benchmark: {cfg['model']} on {env.get('backend')} ({where}, {env.get('cpu_count')} cores),"
         f" commit {env.get('commit')}",
-        f"prompt {n_prompt} tokens, generate {cfg['gen_tokens']}, {cfg['rounds']} interleaved rounds"
-        " after a warm-up, greedy, EOS off" + ("  [--quick]" if cfg.get("quick") else ""),
-        "versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v),
     ]
+    if cfg.get("scenarios") or cfg.get("peers"):  # the end-to-end rounds' (and concurrency's) settings
+        lines.append(
+            f"prompt {n_prompt} tokens, generate {cfg['gen_tokens']}, {cfg['rounds']} interleaved rounds"
+            " after a warm-up, greedy, EOS off" + ("  [--quick]" if cfg.get("quick") else "")
+        )
+    lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v))
     if env.get("note"):
         lines.append(env["note"])
     return "\n".join(lines)
@@ -197,28 +201,106 @@ def concurrency_table(doc: dict) -> str:
     if conc.get("not_run"):
         return f"concurrency: not run ({conc['not_run']})"
     head = (
-        f"{'target':<15} {'streams':>7} {'aggregate tok/s':>16} {'TTFT ms median [min-max]':>28}"
-        f" {'latency s median [min-max]':>28}"
+        f"{'target':<16} {'streams':>7} {'aggregate tok/s':>16} {'TTFT ms median':>15} {'p90':>9}"
+        f" {'[min-max]':>19} {'latency s median [min-max]':>28}"
     )
     lines = [
-        "concurrency (N requests at once, a prompt each; TTFT and latency include queueing for the worker)",
+        "concurrency (N requests at once, a prompt each; TTFT and latency include queueing;"
+        f" {NATIVE_BATCH}: mlx-lm's BatchGenerator in-process)",
         head,
         "-" * len(head),
     ]
-    for name, levels in conc.get("targets", {}).items():
-        for n, f in levels.items():
+    targets = conc.get("targets", {})
+    for n in conc.get("levels", []):  # grouped by stream count, as they ran
+        for name, levels in targets.items():
+            f = levels.get(str(n))
+            if f is None:
+                continue
+            t = f["ttft_ms"]
+            rng = f"[{_f(t['min'])}-{_f(t['max'])}]" if t.get("n", 0) > 1 else ""
             lines.append(
-                f"{name:<15} {n:>7} {_f(f['aggregate_tps']):>16} {_med(f['ttft_ms']):>28}"
-                f" {_med(f['latency_s'], '.2f'):>28}"
+                f"{name:<16} {n:>7} {_f(f['aggregate_tps']):>16} {_f(t['median']):>15} {_f(t.get('p90')):>9}"
+                f" {rng:>19} {_med(f['latency_s'], '.2f'):>28}"
             )
     for name, why in conc.get("skipped", {}).items():
-        lines.append(f"{name:<15} skipped: {why}")
+        lines.append(f"{name:<16} skipped: {why}")
+    ref = conc.get("reference", {})
+    if ref:
+        lines.append(
+            "token reference per stream count: "
+            + ", ".join(f"{n} streams: {basis}" for n, basis in ref.items())
+        )
+    checks = conc.get("native_batch_vs_native", {})
+    if checks:
+        cells = []
+        for n, cs in checks.items():
+            bad = [c["first_divergence"] for c in cs if not c["ok"]]
+            cells.append(f"{n}: " + (f"DIFFERENT at token {bad[0]}" if bad else "same"))
+        lines.append(f"{NATIVE_BATCH} first/last stream vs native one at a time: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
+def agent_table(doc: dict) -> str:
+    ag = doc.get("agent") or {}
+    if ag.get("not_run") and not ag.get("servers"):
+        return f"agents: not run ({ag['not_run']})"
+    z = ag["sizes"]
+    sp = ag.get("system_prompt", {})
+    tok = f" ({sp['tokens']} tokens)" if sp.get("tokens") else ""
+    lines = [
+        f"agents: {z['agents']} agents at once x {z['turns']} turns, {z['reply_tokens']}-token replies,"
+        f" one shared system prompt of {z['system_words']} words{tok}, {z['rounds']} round(s)",
+        "TTFT median [min-max] over agents; x uncached = that over the uncached TTFT (each agent's final-turn"
+        " prompt alone on a fresh cache-off server); cached = usage.prompt_tokens_details.cached_tokens",
+    ]
+    head = (
+        f"{'server':<14} {'turn':>9} {'prompt tok':>10} {'cached tok':>16} {'TTFT ms median [min-max]':>30}"
+        f" {'x uncached':>10} {'reply tok':>9}"
+    )
+    lines += [head, "-" * len(head)]
+    for name, sv in ag.get("servers", {}).items():
+        for t in sv["turns"]:
+            cached = _med(t["cached_tokens"], ".0f") if t["cached_tokens"] else "not reported"
+            lo, hi = (t.get("reply_tokens") or {}).get("min"), (t.get("reply_tokens") or {}).get("max")
+            reply = f"{lo}" if lo == hi else f"{lo}-{hi}"
+            lines.append(
+                f"{name:<14} {t['turn']:>9} {_f(t['prompt_tokens']['median'], '.0f'):>10} {cached:>16}"
+                f" {_med(t['ttft_ms']):>30} {_f(t['ttft_vs_uncached'], '.2f'):>10} {reply:>9}"
+            )
+        u = sv.get("uncached")
+        if u:
+            cached = _med(u["cached_tokens"], ".0f") if u["cached_tokens"].get("n") else "not reported"
+            lines.append(
+                f"{name:<14} {'uncached':>9} {_f(u['prompt_tokens']['median'], '.0f'):>10} {cached:>16}"
+                f" {_med(u['ttft_ms']):>30} {'1.00':>10} {'1':>9}"
+            )
+        else:
+            lines.append(f"{name:<14} {'uncached':>9} skipped: {sv.get('uncached_skipped')}")
+        lines.append(
+            f"{name:<14} {'aggregate':>9} {_med(sv['aggregate_tps'])} tok/s (reply tokens / wall time),"
+            f" wall {_med(sv['wall_s'], '.1f')} s"
+        )
+    same = ag.get("same_replies_pct") or {}
+    if same:
+        lines.append(
+            f"replies identical to {ag['same_replies_vs']}'s: "
+            + ", ".join(f"{n} {_f(v, '.0f')}%" for n, v in same.items())
+        )
+    for name, why in ag.get("skipped", {}).items():
+        lines.append(f"{name:<14} skipped: {why}")
+    if ag.get("not_run"):
+        lines.append(f"not run: {ag['not_run']}")
     return "\n".join(lines)
 
 
 def print_report(doc: dict, out: Any = None) -> None:
     out = out or sys.stdout
-    parts = [header(doc), e2e_table(doc), components_table(doc), concurrency_table(doc)]
+    parts = [header(doc)]
+    if doc.get("scenarios") or doc.get("config", {}).get("scenarios"):
+        parts.append(e2e_table(doc))
+    if doc.get("config", {}).get("components") or component_rows(doc.get("components", {})):
+        parts.append(components_table(doc))
+    parts += [concurrency_table(doc), agent_table(doc)]
     gate = doc.get("gate", {})
     how = ""
     if gate.get("tolerance_logits") is not None:
@@ -226,13 +308,20 @@ def print_report(doc: dict, out: Any = None) -> None:
             f" [native diverged from itself at token {gate.get('native_self_divergence')}: every token"
             f" checked by teacher forcing, within {gate['tolerance_logits']:.3f} logits of the greedy choice]"
         )
+    batch = NATIVE_BATCH in (doc.get("concurrency", {}).get("reference") or {}).values()
+    ref = (
+        f" (under concurrency: mlxrt's streams against {NATIVE_BATCH}'s at the same stream count,"
+        f" {NATIVE_BATCH}'s first and last against native one at a time)"
+        if batch
+        else ""
+    )
     if gate.get("mismatched"):
         bad = ", ".join(gate["mismatched"])
-        parts.append("QUALITY GATE FAILED: tokens differ from native in " + bad + how)
+        parts.append("QUALITY GATE FAILED: tokens differ from native in " + bad + ref + how)
     elif gate.get("checked") and how:
         parts.append("quality gate: greedy-valid tokens in " + ", ".join(gate["checked"]) + how)
     elif gate.get("checked"):
-        parts.append("quality gate: token ids identical to native in " + ", ".join(gate["checked"]))
+        parts.append("quality gate: token ids identical to native in " + ", ".join(gate["checked"]) + ref)
     else:
         parts.append("quality gate: not checked (" + gate.get("why", "no baseline") + ")")
     outputs = doc.get("outputs", {})
@@ -242,7 +331,7 @@ def print_report(doc: dict, out: Any = None) -> None:
 
 
 def plot(doc: dict, runs_ttft: dict[str, list[float]], path: Path) -> Path | None:
-    """Decode tok/s per scenario with its spread, TTFT distribution, and concurrency if run."""
+    """Decode tok/s per scenario with its spread, TTFT distribution, concurrency and agents if run."""
     try:
         import matplotlib
 
@@ -252,35 +341,18 @@ def plot(doc: dict, runs_ttft: dict[str, list[float]], path: Path) -> Path | Non
         return None
     names = [n for n, s in doc["scenarios"].items() if s["decode_tps"].get("n")]
     conc = doc.get("concurrency", {}).get("targets", {})
-    ncols = 3 if conc else 2
-    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2))
+    agent = (doc.get("agent") or {}).get("servers", {})
+    ncols = (2 if names else 0) + bool(conc) + bool(agent)
+    if not ncols:
+        return None
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2), squeeze=False)
+    free = list(axes[0])
     if names:
-        med = [doc["scenarios"][n]["decode_tps"]["median"] for n in names]
-        lo = [m - doc["scenarios"][n]["decode_tps"]["min"] for n, m in zip(names, med, strict=True)]
-        hi = [doc["scenarios"][n]["decode_tps"]["max"] - m for n, m in zip(names, med, strict=True)]
-        axes[0].bar(names, med, yerr=[lo, hi], capsize=4, color="#4c72b0")
-        axes[0].set_ylabel("decode tok/s (median, min-max)")
-        if min(med) > 0 and max(med) / min(med) > 10:  # one engine far ahead: keep the others readable
-            axes[0].set_yscale("log")
-        axes[0].tick_params(axis="x", rotation=30)
-        data = [[x for x in runs_ttft.get(n, []) if not math.isnan(x)] for n in names]
-        try:
-            axes[1].boxplot(data, tick_labels=names)
-        except TypeError:  # matplotlib < 3.9 calls it labels
-            axes[1].boxplot(data, labels=names)
-        axes[1].set_ylabel("TTFT ms (per run)")
-        axes[1].tick_params(axis="x", rotation=30)
-    for name, levels in conc.items():
-        xs = [int(n) for n in levels]
-        axes[2].plot(xs, [levels[n]["aggregate_tps"] for n in levels], marker="o", label=name)
+        _plot_e2e(doc, runs_ttft, names, free.pop(0), free.pop(0))
     if conc:
-        axes[2].set_xscale("log", base=2)
-        axes[2].set_xlabel("concurrent streams")
-        axes[2].set_ylabel("aggregate tok/s")
-        tops = [f["aggregate_tps"] for levels in conc.values() for f in levels.values() if f["aggregate_tps"]]
-        if tops and min(tops) > 0 and max(tops) / min(tops) > 10:
-            axes[2].set_yscale("log")
-        axes[2].legend(fontsize=8)
+        _plot_concurrency(conc, free.pop(0))
+    if agent:
+        _plot_agent(agent, free.pop(0))
     cfg = doc["config"]
     fig.suptitle(f"{cfg['model']} on {doc['env'].get('backend')} @ {doc['env'].get('commit')}", fontsize=10)
     fig.tight_layout()
@@ -288,3 +360,50 @@ def plot(doc: dict, runs_ttft: dict[str, list[float]], path: Path) -> Path | Non
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_e2e(doc: dict, runs_ttft: dict[str, list[float]], names: list[str], ax0: Any, ax1: Any) -> None:
+    med = [doc["scenarios"][n]["decode_tps"]["median"] for n in names]
+    lo = [m - doc["scenarios"][n]["decode_tps"]["min"] for n, m in zip(names, med, strict=True)]
+    hi = [doc["scenarios"][n]["decode_tps"]["max"] - m for n, m in zip(names, med, strict=True)]
+    ax0.bar(names, med, yerr=[lo, hi], capsize=4, color="#4c72b0")
+    ax0.set_ylabel("decode tok/s (median, min-max)")
+    if min(med) > 0 and max(med) / min(med) > 10:  # one engine far ahead: keep the others readable
+        ax0.set_yscale("log")
+    ax0.tick_params(axis="x", rotation=30)
+    data = [[x for x in runs_ttft.get(n, []) if not math.isnan(x)] for n in names]
+    try:
+        ax1.boxplot(data, tick_labels=names)
+    except TypeError:  # matplotlib < 3.9 calls it labels
+        ax1.boxplot(data, labels=names)
+    ax1.set_ylabel("TTFT ms (per run)")
+    ax1.tick_params(axis="x", rotation=30)
+
+
+def _plot_concurrency(conc: dict, ax: Any) -> None:
+    for name, levels in conc.items():
+        xs = [int(n) for n in levels]
+        ax.plot(xs, [levels[n]["aggregate_tps"] for n in levels], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tok/s")
+    tops = [f["aggregate_tps"] for levels in conc.values() for f in levels.values() if f["aggregate_tps"]]
+    if tops and min(tops) > 0 and max(tops) / min(tops) > 10:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+
+
+def _plot_agent(servers: dict, ax: Any) -> None:
+    for name, sv in servers.items():
+        turns = [t["turn"] for t in sv["turns"]]
+        line = ax.plot(turns, [t["ttft_ms"]["median"] for t in sv["turns"]], marker="o", label=name)[0]
+        lo = [t["ttft_ms"]["min"] for t in sv["turns"]]
+        hi = [t["ttft_ms"]["max"] for t in sv["turns"]]
+        ax.fill_between(turns, lo, hi, alpha=0.15, color=line.get_color())
+        if sv.get("uncached"):
+            ax.axhline(sv["uncached"]["ttft_ms"]["median"], ls="--", color=line.get_color(), lw=1)
+    ax.set_xticks(sorted({t["turn"] for sv in servers.values() for t in sv["turns"]}))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("turn (dashed: uncached final turn, alone)")
+    ax.set_ylabel("agent TTFT ms (median, min-max)")
+    ax.legend(fontsize=8)

@@ -1,4 +1,5 @@
-"""The things the harness times: native in-process MLX and mlxrt's embedded API.
+"""The things the harness times: native in-process MLX (one stream, and mlx-lm's
+continuous batching) and mlxrt's embedded API.
 
 Every scenario has ``name``, ``token_checked`` (its ids must equal native's:
 the quality gate), ``setup()``, ``run(prompt_ids, gen_tokens) -> Run`` and
@@ -68,6 +69,95 @@ class Native:
 
     def close(self) -> None:
         self.model = self.tokenizer = None
+
+
+#: mlx_lm.server's defaults (--decode-concurrency, --prompt-concurrency), so both batch alike.
+DEFAULT_COMPLETION_BATCH = 32
+DEFAULT_PREFILL_BATCH = 8
+
+
+class NativeBatch:
+    """mlx-lm's continuous batching (`BatchGenerator`) in-process: the batched baseline.
+
+    ``run_batch`` inserts every prompt at once (the streams arrive together, as
+    the concurrency part's barrier makes them) and steps the generator until all
+    are done: greedy, no stop tokens, so each stream makes exactly `gen_tokens`.
+    A stream's TTFT runs from the insert to its first token; its clock stops at
+    its own last token. Batch sizes are mlx_lm.server's defaults.
+    """
+
+    name = "native-batch"
+    token_checked = True
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        model: Any = None,
+        completion_batch: int = DEFAULT_COMPLETION_BATCH,
+        prefill_batch: int = DEFAULT_PREFILL_BATCH,
+    ) -> None:
+        self.model_path = model_path
+        self.model = model  # native's, when it is loaded already: one copy of the weights
+        self.completion_batch = completion_batch
+        self.prefill_batch = prefill_batch
+
+    def setup(self) -> None:
+        if self.model is None:
+            from mlx_lm import load
+
+            self.model, _ = load(self.model_path)
+
+    def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
+        return self.run_batch([prompt_ids], gen_tokens)[0]
+
+    def run_batch(self, prompts: list[list[int]], gen_tokens: int) -> list[Run]:
+        """One `Run` per prompt, in order, all generated together."""
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        mx.reset_peak_memory()
+        gen = BatchGenerator(
+            self.model,
+            max_tokens=gen_tokens,
+            completion_batch_size=self.completion_batch,
+            prefill_batch_size=self.prefill_batch,
+        )
+        try:
+            start = time.perf_counter()
+            uids = gen.insert(prompts, [gen_tokens] * len(prompts))
+            arrivals = {uid: Arrivals(start) for uid in uids}
+            with gen.stats() as stats:
+                while responses := gen.next_generated():
+                    for r in responses:
+                        arrivals[r.uid].add([r.token])
+        finally:
+            gen.close()
+        peak = int(mx.get_peak_memory())
+        runs = []
+        for uid, prompt in zip(uids, prompts, strict=True):
+            arr = arrivals[uid]
+            run = arr.run(prompt_tokens=len(prompt))
+            run.ended_at = arr.t_prev  # its own last token, not the end of the whole batch
+            run.total_s = arr.t_prev - start
+            run.peak_memory_bytes = peak
+            run.engine = {
+                "prompt_tps": stats.prompt_tps,  # the whole batch's, from BatchGenerator.stats()
+                "decode_tps": stats.generation_tps,
+                "per_token_ms": run.per_token_ms,
+            }
+            runs.append(run)
+        return runs
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": "mlx_lm.generate.BatchGenerator",
+            "completion_batch_size": self.completion_batch,
+            "prefill_batch_size": self.prefill_batch,
+        }
+
+    def close(self) -> None:
+        self.model = None
 
 
 def worker_figures(stats: Any) -> dict[str, Any]:

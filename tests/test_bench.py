@@ -22,9 +22,9 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import measure, records  # noqa: E402
+from benchmarks import agents, measure, records  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
-from benchmarks.scenarios import Native, Skipped  # noqa: E402
+from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
 
 def _closed_port() -> int:
@@ -40,6 +40,7 @@ def test_spread_reports_median_quartiles_and_drops_nan():
     """spread() gives median, min, max and quartiles, ignoring runs that produced no figure."""
     s = measure.spread([5.0, 1.0, math.nan, 3.0, 2.0, 4.0])
     assert (s["median"], s["min"], s["max"], s["p25"], s["p75"], s["n"]) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    assert s["p90"] == pytest.approx(4.6)
     assert measure.spread([])["n"] == 0
 
 
@@ -147,15 +148,33 @@ def test_unknown_names_are_skipped_with_the_reason():
 
 
 def test_default_plan_runs_everything():
-    """The default suite has every scenario, peer, the components and concurrency at 1, 4 and 16 streams."""
+    """The default suite has every scenario, peer and part; concurrency at 1, 4 and 16 streams on a CPU."""
     plan = bench.make_plan(bench.parse_args([]))
     assert plan.scenarios == list(bench.SCENARIOS) and plan.peers == list(bench.PEERS) and plan.components
-    assert plan.concurrency == [1, 4, 16]
+    assert plan.concurrency == [1, 4, 16] and plan.agent and plan.http_peers == ["mlx_lm.server"]
     assert bench.make_plan(bench.parse_args(["--concurrency", "none"])).concurrency == []
     only = bench.make_plan(bench.parse_args(["--only", "concurrency", "--concurrency", "2,1"]))
     assert only.concurrency == [1, 2] and only.scenarios == ["native"] and not only.components
     bad = bench.make_plan(bench.parse_args(["--concurrency", "1,x"]))
     assert bad.concurrency == [] and "expected numbers" in bad.skipped["concurrency"]
+
+
+def test_part_streams_and_full_choose_the_parts_and_sizes():
+    """--part picks parts alone, --streams names the stream counts, --full adds 32 streams and full agents."""
+    agent = bench.make_plan(bench.parse_args(["--part", "agent", "--peers", "none"]))
+    assert agent.agent and agent.scenarios == [] and agent.concurrency == [] and not agent.components
+    assert agent.http_peers == []  # --peers none leaves mlx_lm.server out of the parts too
+    conc = bench.make_plan(bench.parse_args(["--part", "concurrency", "--streams", "4,1"]))
+    assert conc.concurrency == [1, 4] and conc.scenarios == ["native"] and not conc.agent
+    assert conc.http_peers == ["mlx_lm.server"]
+    full = bench.make_plan(bench.parse_args(["--part", "concurrency", "--full"]))
+    assert full.concurrency == [1, 4, 16, 32]
+    assert bench.make_plan(bench.parse_args(["--part", "components", "--agents", "3"])).agent
+    sizes = bench.agent_sizes(bench.parse_args(["--quick", "--turns", "5", "--agent-rounds", "2"]))
+    assert (sizes.agents, sizes.turns, sizes.rounds) == (agents.QUICK["agents"], 5, 2)
+    assert bench.agent_sizes(bench.parse_args(["--full"])).system_words == agents.FULL["system_words"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--agents", "0"])
 
 
 def test_unreachable_ollama_is_skipped_with_the_reason(monkeypatch):
@@ -330,6 +349,127 @@ def test_crossed_streams_fail_the_gate():
     assert gate["passed"] is False and gate["mismatched"] == ["mlxrt-w2 under concurrency"]
 
 
+def test_agent_workload_is_seeded_and_per_agent():
+    """The system prompt has the asked-for words and is the same for a seed; each agent says its own thing."""
+    a, b = agents.system_prompt(120, seed=0), agents.system_prompt(120, seed=0)
+    assert a == b and a != agents.system_prompt(120, seed=1)
+    assert len(a.split("\n\n", 1)[0].split()) == 120
+    msgs = {agents.user_message(i, t, seed=0) for i in range(3) for t in range(2)}
+    assert len(msgs) == 6
+
+
+def test_agent_figures_per_turn_and_against_the_uncached_reference():
+    """Per turn: TTFT spread over agents, cached tokens where reported, and the ratio to the uncached TTFT."""
+
+    def reply(agent, turn, ttft, cached):
+        return agents.Reply(
+            agent=agent,
+            turn=turn,
+            round=0,
+            ttft_ms=ttft,
+            total_s=1.0,
+            reply_tokens=4,
+            prompt_tokens=100 * turn,
+            cached_tokens=cached,
+            finish_reason="length",
+            text=f"{agent}{turn}",
+        )
+
+    replies = [reply(0, 1, 40.0, 0), reply(1, 1, 60.0, 0), reply(0, 2, 10.0, 100), reply(1, 2, 20.0, 100)]
+    uncached = [reply(0, 0, 100.0, 0), reply(1, 0, 100.0, 0)]
+    sizes = agents.Sizes(agents=2, turns=2, reply_tokens=4, system_words=10)
+    doc = agents.server_figures(replies, [2.0], sizes, uncached)
+    t1, t2 = doc["turns"]
+    assert (t1["ttft_ms"]["median"], t2["ttft_ms"]["median"]) == (50.0, 15.0)
+    assert t1["ttft_vs_uncached"] == pytest.approx(0.5) and t2["ttft_vs_uncached"] == pytest.approx(0.15)
+    assert t2["cached_tokens"]["median"] == 100 and t2["reply_tokens"] == {"min": 4, "max": 4}
+    assert doc["aggregate_tps"]["median"] == 8.0 and len(doc["requests"]) == 4  # 16 tokens over 2 s
+    blind = agents.server_figures([reply(0, 1, 40.0, None)], [1.0], sizes, None)
+    assert blind["turns"][0]["cached_tokens"] is None and not blind["cached_tokens_reported"]
+    assert agents.same_replies(replies, replies) == 100.0
+
+
+def test_native_batch_gives_each_prompt_its_own_greedy_tokens(tiny_model, reference):
+    """mlx-lm's BatchGenerator in-process: every stream makes exactly gen_tokens of its own prompt's ids."""
+    from mlx_lm import stream_generate
+
+    model, tokenizer = reference
+    prompts = [list(tokenizer.encode(t)) for t in ("The fox ran far", "A quiet river bends", "Stars")]
+    nb = NativeBatch(tiny_model, model=model)
+    nb.setup()
+    runs = nb.run_batch(prompts, 6)
+    eos, tokenizer.eos_token_ids = tokenizer.eos_token_ids, set()  # the fixture is shared: put it back
+    try:
+        want = [[r.token for r in stream_generate(model, tokenizer, p, max_tokens=6)] for p in prompts]
+    finally:
+        tokenizer.eos_token_ids = eos
+    assert [r.tokens for r in runs] == want
+    assert all(r.n_tokens == 6 and r.ttft_ms > 0 and r.ended_at >= r.started_at for r in runs)
+
+
+def _run(tokens):
+    return measure.Run(tokens=tokens, prompt_tokens=1, ttft_ms=1.0, decode_tps=1.0, total_s=1.0)
+
+
+class _NativeByPrompt:
+    """Stands in for native: its tokens are a function of the prompt, so crossed streams show."""
+
+    def run(self, prompt, gen_tokens):
+        return _run([prompt[0] * 10, prompt[0] * 10 + 1])
+
+
+def test_crossed_streams_against_native_batch_fail_the_gate():
+    """native-batch is the reference for mlxrt's streams; its own crossed streams fail the gate too."""
+    args = bench.parse_args(["--model", "synthetic:tiny"])
+    native = {"native": {"token_checked": True, "tokens": {"identical": True}}}
+
+    def suite_with(batch_tokens, mlxrt_tokens):
+        suite = bench.Suite(args, bench.make_plan(args), lambda _msg: None)
+        suite.ref = [9]
+        suite.live["native"] = _NativeByPrompt()
+        suite.conc_prompts = {2: [[1], [2]]}
+        suite.conc_refs = {2: batch_tokens}
+        suite.conc_ref_basis = {2: bench.NATIVE_BATCH}
+        suite.concurrency_runs = {"mlxrt-http": {2: [_run(t) for t in mlxrt_tokens]}}
+        suite.concurrency_references()
+        return suite.gate(native)
+
+    good = suite_with([[10, 11], [20, 21]], [[10, 11], [20, 21]])
+    assert good["passed"] is True and "native-batch under concurrency" in good["checked"]
+    crossed = suite_with([[10, 11], [20, 21]], [[20, 21], [10, 11]])
+    assert crossed["passed"] is False and crossed["mismatched"] == ["mlxrt-http under concurrency"]
+    batch_crossed = suite_with([[20, 21], [10, 11]], [[20, 21], [10, 11]])  # mlxrt follows a wrong reference
+    assert batch_crossed["mismatched"] == ["native-batch under concurrency"]
+
+
+def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
+    """--part agent: both servers run the agents; per-turn figures, reply counts, the uncached reference."""
+    out_json = tmp_path / "agent.json"
+    sizes = ["--agents", "2", "--turns", "2", "--reply-tokens", "4", "--system-words", "40"]
+    cmd = [sys.executable, "-m", "benchmarks", "--model", "synthetic:tiny", "--part", "agent", *sizes]
+    cmd += ["--json", str(out_json)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc == json.loads(out_json.read_text()) and doc["status"] == "ok"
+    ag = doc["agent"]
+    assert ag["sizes"] == {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "rounds": 1}
+    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", "mlx_lm.server"}
+    assert "mlxrt-http" in ag["servers"], (ag["skipped"], proc.stderr[-3000:])
+    for sv in ag["servers"].values():
+        t1, t2 = sv["turns"]
+        assert t1["ttft_ms"]["n"] == t2["ttft_ms"]["n"] == 2 and t1["ttft_ms"]["median"] > 0
+        assert t2["prompt_tokens"]["min"] > t1["prompt_tokens"]["max"]  # the conversation grows
+        assert len(sv["requests"]) == 4 and sv["aggregate_tps"]["n"] == 1
+        assert sv["uncached"] is not None or sv["uncached_skipped"]
+        if sv["uncached"] is not None:
+            assert sv["uncached"]["ttft_ms"]["n"] == 2 and t2["ttft_vs_uncached"] > 0
+    assert all(r["reply_tokens"] == 4 for r in ag["servers"]["mlxrt-http"]["requests"])  # ignore_eos
+    assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
+    assert "agents: 2 agents at once x 2 turns" in proc.stdout
+    assert Path(doc["outputs"]["png"]).is_file()
+
+
 def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
     """A whole quick run: tables, then one JSON line with every part, the PNG, and a record row."""
     out_json, tsv = tmp_path / "bench.json", tmp_path / "results.tsv"
@@ -345,6 +485,8 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
         "1,2",
         "--only",
         "native,mlxrt-ring,mlxrt-stdio,components,concurrency,ollama,nonsense",
+        "--peers",
+        "ollama",  # leaves mlx_lm.server out of the concurrency part: the agent test starts it
         "--json",
         str(out_json),
         "--log",
@@ -371,9 +513,16 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
     assert {"codec", "outbox", "worker_loop_us", "e2e_gap_us", "largest"} <= set(comp)
     assert "transport" in comp or "transport" in comp["skipped"]
     assert set(comp["worker_loop_us"]) == {"mlxrt-ring", "mlxrt-stdio"}
-    targets = doc["concurrency"]["targets"]
-    assert set(targets) == {"mlxrt-w1 (ring)", "mlxrt-w2"} and set(targets["mlxrt-w2"]) == {"1", "2"}
-    assert "mlxrt-w2 under concurrency" in doc["gate"]["checked"]
+    conc = doc["concurrency"]
+    targets = conc["targets"]
+    assert set(targets) == {"mlxrt-w1 (ring)", "mlxrt-w2", "mlxrt-http", "native-batch"}, conc["skipped"]
+    assert all(set(levels) == {"1", "2"} for levels in targets.values())
+    assert all(targets[t]["2"]["ttft_ms"]["p90"] > 0 for t in targets)
+    assert conc["reference"] == {"1": "native-batch", "2": "native-batch"}
+    assert all(c["ok"] for cs in conc["native_batch_vs_native"].values() for c in cs)
+    assert {"mlxrt-w2 under concurrency", "mlxrt-http under concurrency"} <= set(doc["gate"]["checked"])
+    assert "native-batch under concurrency" in doc["gate"]["checked"]
+    assert doc["agent"] == {"not_run": "not asked for (--part without agent)"}
     assert doc["env"]["commit"] and doc["env"]["versions"]["mlx"]
     assert Path(doc["outputs"]["png"]).is_file()
     assert records.read(tsv)[0]["status"] == "keep" and "where the microseconds go" in proc.stdout

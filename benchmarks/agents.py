@@ -1,0 +1,412 @@
+"""The agent part: N agents, each a growing multi-turn chat over one shared system prompt.
+
+Every agent holds its own conversation: a system prompt shared by all agents
+(``system_words`` words of the synthetic corpus, seeded per round), then T
+turns of a new user message and the server's reply. Each turn sends the whole
+conversation so far as chat messages with the official ``openai`` client, so a
+server that reuses prompt prefixes prefills only what is new; one that does
+not prefills everything again. All agents run at once, one thread each.
+
+Per turn index the report has TTFT (median and spread over agents and rounds),
+the prompt tokens and, where the server reports it,
+``usage.prompt_tokens_details.cached_tokens``. The reference is the uncached
+TTFT: every agent's final-turn prompt sent alone, one at a time, to a fresh
+server of the same kind with its prompt cache off (``mlxrt serve
+--prompt-cache-bytes 0``, ``mlx_lm.server --prompt-cache-size 0``). A turn's
+TTFT over it says what reuse saved; turn TTFTs also include waiting behind the
+other agents' work, which the lone uncached request does not.
+
+Greedy, ``max_tokens`` = R; mlxrt gets ``ignore_eos``; mlx_lm.server runs with
+its EOS ids cleared (`benchmarks.http_scenario`). Each reply's token count is
+recorded all the same. Rounds alternate the servers (A B A B ...), each round
+with its own system prompt so no round is served from an earlier one's cache.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from .measure import spread
+from .scenarios import Skipped
+
+#: The issue's sizes; the default on a GPU, and with --full.
+FULL = {"agents": 8, "turns": 6, "reply_tokens": 64, "system_words": 1500}
+#: `make bench` on a CPU (the small preset prefills ~300 tokens/s on 2 cores).
+CPU = {"agents": 4, "turns": 4, "reply_tokens": 32, "system_words": 400}
+#: --quick.
+QUICK = {"agents": 2, "turns": 2, "reply_tokens": 16, "system_words": 150}
+USER_WORDS = 24  # words of corpus text in each user message
+WARMUP_TOKENS = 4
+HTTP_TIMEOUT_S = 600.0
+NO_CACHE_ARGS = {"mlxrt-http": ["--prompt-cache-bytes", "0"], "mlx_lm.server": ["--prompt-cache-size", "0"]}
+SERVERS = ("mlxrt-http", "mlx_lm.server")  # mlxrt serve, then the peer
+
+Messages = list[dict[str, str]]
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """How big the agent workload is."""
+
+    agents: int
+    turns: int
+    reply_tokens: int
+    system_words: int
+    rounds: int = 1
+
+
+@dataclass(kw_only=True)
+class Reply:
+    """One chat request as the client saw it (times in ms and s, counts in tokens)."""
+
+    agent: int
+    turn: int  # 1-based
+    round: int
+    ttft_ms: float
+    total_s: float
+    reply_tokens: int
+    prompt_tokens: int | None
+    cached_tokens: int | None  # None: the server did not report it
+    finish_reason: str | None
+    text: str = field(repr=False)
+
+
+# ---------------------------------------------------------------- the workload
+
+
+def _corpus_words() -> list[str]:
+    return resources.files("mlxrt.worker").joinpath("corpus.txt").read_text(encoding="utf-8").split()
+
+
+def _words(n: int, rng: random.Random) -> str:
+    """`n` consecutive corpus words from a place `rng` picks, wrapping at the end."""
+    words = _corpus_words()
+    start = rng.randrange(len(words))
+    return " ".join(words[(start + i) % len(words)] for i in range(n))
+
+
+def system_prompt(words: int, *, seed: int) -> str:
+    """The shared system prompt of round `seed`: `words` words of the synthetic corpus.
+
+    The seeded words come first, so two rounds share no more than the chat template's opening tokens.
+    """
+    return _words(words, random.Random(seed)) + "\n\nYou are one of a team of careful assistants."
+
+
+def user_message(agent: int, turn: int, *, seed: int) -> str:
+    """Agent `agent`'s message at `turn` (0-based) of round `seed`: its own, so conversations part."""
+    return f"Agent {agent}, step {turn + 1}: " + _words(USER_WORDS, random.Random(f"{seed}:{agent}:{turn}"))
+
+
+# ---------------------------------------------------------------- one request
+
+
+def _client(base_url: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=HTTP_TIMEOUT_S)
+
+
+def chat_turn(client: Any, server: Any, messages: Messages, max_tokens: int, **ids: int) -> Reply:
+    """Stream one chat completion; TTFT is the first chunk that carries text or token ids."""
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=server.chat_extra or None,
+    )
+    first: float | None = None
+    text: list[str] = []
+    usage, finish, n_ids, n_chunks = None, None, 0, 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = (c.delta.content if c.delta else None) or ""
+            got = len(getattr(c, "token_ids", None) or [])
+            if piece or got:
+                first = first or time.perf_counter()
+                text.append(piece)
+                n_ids += got
+                n_chunks += 1
+            finish = c.finish_reason or finish
+    end = time.perf_counter()
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None)
+    return Reply(
+        agent=ids.get("agent", -1),
+        turn=ids.get("turn", 0),
+        round=ids.get("round", 0),
+        ttft_ms=((first or end) - start) * 1e3,
+        total_s=end - start,
+        reply_tokens=usage.completion_tokens if usage is not None else (n_ids or n_chunks),
+        prompt_tokens=usage.prompt_tokens if usage is not None else None,
+        cached_tokens=cached if isinstance(cached, int) else None,
+        finish_reason=finish,
+        text="".join(text),
+    )
+
+
+def warm_up(server: Any) -> None:
+    """One short plain completion, so the first agent turn pays no first-call costs.
+
+    Not a chat: a chat would leave the template's opening tokens in a prefix cache.
+    """
+    _client(server.base_url).completions.create(
+        model=server.model,
+        prompt="Warm-up: say something.",
+        max_tokens=WARMUP_TOKENS,
+        temperature=0.0,
+        extra_body=server.chat_extra or None,
+    )
+
+
+# ---------------------------------------------------------------- the agents
+
+
+def run_agents(server: Any, sizes: Sizes, *, round_: int) -> tuple[list[Reply], list[Messages], float]:
+    """All agents at once on `server`; returns every reply, each agent's final-turn prompt, and wall s."""
+    client = _client(server.base_url)
+    system = system_prompt(sizes.system_words, seed=round_)
+    barrier = threading.Barrier(sizes.agents + 1)
+    replies: list[list[Reply]] = [[] for _ in range(sizes.agents)]
+    finals: list[Messages] = [[] for _ in range(sizes.agents)]
+    errors: list[BaseException] = []
+
+    def agent(i: int) -> None:
+        messages: Messages = [{"role": "system", "content": system}]
+        barrier.wait()
+        try:
+            for t in range(sizes.turns):
+                messages.append({"role": "user", "content": user_message(i, t, seed=round_)})
+                finals[i] = list(messages)
+                r = chat_turn(client, server, messages, sizes.reply_tokens, agent=i, turn=t + 1, round=round_)
+                replies[i].append(r)
+                messages.append({"role": "assistant", "content": r.text})
+        except BaseException as exc:  # reported after every thread is joined
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(sizes.agents)]
+    for th in threads:
+        th.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return [r for rs in replies for r in rs], finals, wall
+
+
+def run_uncached(server: Any, prompts: list[Messages]) -> list[Reply]:
+    """Each prompt alone, one after another (one token each: only the TTFT is wanted)."""
+    client = _client(server.base_url)
+    return [chat_turn(client, server, p, 1, agent=i, turn=0) for i, p in enumerate(prompts)]
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _turn_figures(replies: list[Reply], turns: int, uncached_ms: float | None) -> list[dict[str, Any]]:
+    out = []
+    for k in range(1, turns + 1):
+        rs = [r for r in replies if r.turn == k]
+        ttft = spread([r.ttft_ms for r in rs])
+        cached = [r.cached_tokens for r in rs if r.cached_tokens is not None]
+        counts = [r.reply_tokens for r in rs]
+        out.append(
+            {
+                "turn": k,
+                "n": len(rs),
+                "ttft_ms": ttft,
+                "prompt_tokens": spread([float(r.prompt_tokens) for r in rs if r.prompt_tokens is not None]),
+                "cached_tokens": spread([float(c) for c in cached]) if cached else None,
+                "reply_tokens": {"min": min(counts), "max": max(counts)} if counts else None,
+                "ttft_vs_uncached": ttft["median"] / uncached_ms if uncached_ms and ttft["n"] else None,
+                "finish_reasons": sorted({str(r.finish_reason) for r in rs}),
+            }
+        )
+    return out
+
+
+def server_figures(
+    replies: list[Reply], walls: list[float], sizes: Sizes, uncached: list[Reply] | None
+) -> dict[str, Any]:
+    """One server's figures: per turn, aggregate throughput per round, the uncached reference."""
+    per_round = []
+    for r, wall in enumerate(walls):
+        tokens = sum(x.reply_tokens for x in replies if x.round == r)
+        per_round.append({"round": r, "wall_s": wall, "reply_tokens": tokens, "aggregate_tps": tokens / wall})
+    unc = spread([r.ttft_ms for r in uncached]) if uncached else None
+    return {
+        "aggregate_tps": spread([x["aggregate_tps"] for x in per_round]),
+        "wall_s": spread(walls),
+        "rounds": per_round,
+        "cached_tokens_reported": any(r.cached_tokens is not None for r in replies),
+        "turns": _turn_figures(replies, sizes.turns, unc["median"] if unc else None),
+        "uncached": None
+        if uncached is None
+        else {
+            "ttft_ms": unc,
+            "prompt_tokens": spread(
+                [float(r.prompt_tokens) for r in uncached if r.prompt_tokens is not None]
+            ),
+            "cached_tokens": spread(
+                [float(r.cached_tokens) for r in uncached if r.cached_tokens is not None]
+            ),
+            "how": "each agent's final-turn prompt alone, one at a time, to a fresh cache-off server",
+        },
+        "requests": [{k: v for k, v in asdict(r).items() if k != "text"} for r in replies],
+    }
+
+
+def same_replies(a: list[Reply], b: list[Reply]) -> float | None:
+    """Percent of (round, agent, turn) replies whose text is the same on two servers."""
+    ka = {(r.round, r.agent, r.turn): r.text for r in a}
+    both = [(ka[(r.round, r.agent, r.turn)], r.text) for r in b if (r.round, r.agent, r.turn) in ka]
+    return 100.0 * sum(x == y for x, y in both) / len(both) if both else None
+
+
+# ---------------------------------------------------------------- the part
+
+
+def _factories(model_path: str) -> dict[str, Callable[[list[str]], Any]]:
+    from .http_scenario import HttpStream, MlxLmServer
+
+    return {
+        "mlxrt-http": lambda extra: HttpStream(model_path, extra_args=extra),
+        "mlx_lm.server": lambda extra: MlxLmServer(model_path, extra_args=extra),
+    }
+
+
+def _no_cache_why(name: str) -> str | None:
+    """None when `name` can run with its prompt cache off, else why not."""
+    if name == "mlxrt-http":
+        from .http_scenario import serve_accepts
+
+        if not serve_accepts("--prompt-cache-bytes"):
+            return "this mlxrt serve has no --prompt-cache-bytes (no way to turn its prompt cache off)"
+    return None
+
+
+def _start(make: Callable[[], Any], name: str, say: Say) -> tuple[Any, str | None]:
+    """A started, warmed-up server, or None and why not."""
+    say(f"agent: starting {name}")
+    s = None
+    try:
+        s = make()
+        s.setup()
+        warm_up(s)
+        return s, None
+    except Skipped as exc:
+        why = str(exc)
+    except Exception as exc:  # one server failing must not stop the other
+        why = f"{type(exc).__name__}: {exc}"
+    if s is not None:
+        s.close()
+    say(f"agent: skip {name}: {why}")
+    return None, why
+
+
+class _Results:
+    """What the rounds produced, per server."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.replies: dict[str, list[Reply]] = {n: [] for n in names}
+        self.walls: dict[str, list[float]] = {n: [] for n in names}
+        self.finals: dict[str, list[Messages]] = {}  # round 0's final-turn prompts
+
+
+def _rounds(live: dict[str, Any], sizes: Sizes, res: _Results, skipped: dict[str, str], say: Say) -> None:
+    for r in range(sizes.rounds):
+        for name in list(live):  # A B A B ...: the servers alternate round by round
+            say(f"agent: round {r + 1}/{sizes.rounds} on {name}: {sizes.agents} agents x {sizes.turns} turns")
+            try:
+                rs, finals, wall = run_agents(live[name], sizes, round_=r)
+            except Exception as exc:
+                skipped[name] = f"failed in round {r + 1}: {type(exc).__name__}: {exc}"
+                say(f"agent: skip {name}: {skipped[name]}")
+                live.pop(name).close()
+                continue
+            res.replies[name] += rs
+            res.walls[name].append(wall)
+            res.finals.setdefault(name, finals)
+            say(f"  {sum(x.reply_tokens for x in rs) / wall:.1f} tok/s aggregate over {wall:.1f} s")
+
+
+def _uncached(
+    make: Callable[[list[str]], Any], name: str, prompts: list[Messages], say: Say
+) -> tuple[list[Reply] | None, str | None]:
+    """The final-turn prompts on a fresh server of the same kind with its prompt cache off."""
+    why = _no_cache_why(name)
+    if why is not None:
+        return None, why
+    s, why = _start(lambda: make(NO_CACHE_ARGS[name]), f"{name} (cache off)", say)
+    if s is None:
+        return None, f"the cache-off server did not start: {why}"
+    say(f"agent: uncached reference on {name}: {len(prompts)} final-turn prompts, one at a time")
+    try:
+        return run_uncached(s, prompts), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    finally:
+        s.close()
+
+
+def run_part(
+    model_path: str, sizes: Sizes, *, servers: list[str], say: Say, tokenizer: Any = None
+) -> dict[str, Any]:
+    """The agent workload on each of `servers` (names in `SERVERS`), then each one's uncached reference."""
+    system = system_prompt(sizes.system_words, seed=0)
+    out: dict[str, Any] = {
+        "sizes": asdict(sizes),
+        "system_prompt": {
+            "words": sizes.system_words,
+            "tokens": len(tokenizer.encode(system)) if tokenizer is not None else None,
+        },
+        "servers": {},
+        "skipped": {},
+    }
+    try:
+        import openai  # noqa: F401
+    except ImportError as exc:
+        return {**out, "not_run": f"the openai client is not installed ({exc}); pip install openai"}
+    make = _factories(model_path)
+    live: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    for name in servers:
+        s, why = _start(lambda n=name: make[n]([]), name, say)
+        if s is None:
+            out["skipped"][name] = why
+        else:
+            live[name], info[name] = s, s.describe()
+    res = _Results(list(live))
+    try:
+        _rounds(live, sizes, res, out["skipped"], say)
+    finally:
+        for s in live.values():
+            s.close()
+    for name in [n for n in servers if res.walls.get(n)]:
+        uncached, why = _uncached(make[name], name, res.finals[name], say)
+        doc = server_figures(res.replies[name], res.walls[name], sizes, uncached)
+        doc["info"] = info[name]
+        if uncached is None:
+            doc["uncached_skipped"] = why
+        out["servers"][name] = doc
+    names = list(out["servers"])
+    if len(names) > 1:  # same model, greedy, EOS off: the servers should write the same replies
+        out["same_replies_vs"] = names[0]
+        out["same_replies_pct"] = {n: same_replies(res.replies[names[0]], res.replies[n]) for n in names[1:]}
+    return out
