@@ -71,3 +71,25 @@ def test_pipe_try_send_refuses_instead_of_blocking():
     assert all(rx.recv(timeout=5) == b"y" * 1000 for _ in range(sent))
     tx.close()
     rx.close()
+
+
+def test_drain_merges_interleaved_requests_but_never_past_their_end():
+    """A batch's interleaved tokens drain as one frame per request, each before its own Done."""
+    from mlxrt.ipc.protocol import Done, Stats, Tokens
+
+    class Never:
+        def try_send(self, frame):
+            return False
+
+        def send(self, frame):
+            pass
+
+    box = Outbox(Never())
+    box._items.extend([(1, 10, "a"), (2, 20, "x"), (1, 11, "b"), Done(id=1, stats=Stats()),
+                       (2, 21, "y"), (1, 12, "c")])
+    out = box._drain()
+    assert [type(m).__name__ for m in out] == ["Tokens", "Tokens", "Done", "Tokens"]
+    assert (out[0].id, out[0].token_ids, out[0].text) == (1, [10, 11], "ab")
+    assert (out[1].id, out[1].token_ids, out[1].text) == (2, [20, 21], "xy")
+    assert isinstance(out[3], Tokens) and (out[3].id, out[3].token_ids) == (1, [12])
+    box.close(timeout=1)

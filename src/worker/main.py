@@ -140,19 +140,30 @@ class Outbox:
                 return
 
     def _drain(self) -> list:
+        """Everything queued, as frames: each request's queued tokens in one Tokens frame.
+
+        A batch interleaves requests token by token; merging per request (not only
+        runs of one request) keeps a backed-up channel at one frame per request per
+        drain. A request's tokens never move past its own Done or Failed.
+        """
         out: list = []
+        open_frames: dict[int, Tokens] = {}
         items = self._items
         while items:
             item = items.popleft()
             if type(item) is tuple:
                 req_id, token, text = item
-                last = out[-1] if out else None
-                if isinstance(last, Tokens) and last.id == req_id:
-                    last.token_ids.append(token)
-                    last.text += text
+                frame = open_frames.get(req_id)
+                if frame is not None:
+                    frame.token_ids.append(token)
+                    frame.text += text
                 else:
-                    out.append(Tokens(req_id, [token], text))
+                    frame = open_frames[req_id] = Tokens(req_id, [token], text)
+                    out.append(frame)
             else:
+                req_id = getattr(item, "id", None)
+                if req_id is not None:
+                    open_frames.pop(req_id, None)
                 out.append(item)
         return out
 
