@@ -219,12 +219,23 @@ class Engine:
         mx.clear_cache()
 
     def warmup(self, tokens: int) -> None:
-        """Generate a few tokens so kernels are compiled before the first request."""
+        """Compile kernels before the first request: one sequence, then a full decode batch.
+
+        A batch of `decode_concurrency` sequences runs other kernels than one
+        sequence (quantised matmuls switch from vector to matrix kernels); on
+        CUDA the first use of each costs seconds, so a full batch warms them.
+        """
         if tokens <= 0:
             return
         t0 = time.perf_counter()
-        req = Generate(id=-1, prompt=WARMUP_PROMPT, params=SamplingParams(max_tokens=tokens, ignore_eos=True))
-        self.generate(req, lambda _t, _s: None)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        self.generate(Generate(id=-1, prompt=WARMUP_PROMPT, params=params), lambda _t, _s: None)
+        box = _Collector(lambda _t, _s: None)
+        n = self.options.decode_concurrency
+        for i in range(n):
+            self.submit(Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params), box)
+        while self.busy:
+            self.step()
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
         self.warmup_s = time.perf_counter() - t0
 
