@@ -77,8 +77,9 @@ def engines(request):
     from mlxrt.worker.synthetic import ensure_model
 
     path = str(ensure_model(request.param))
-    on = Engine(path, options=EngineOptions(decode_concurrency=8, prefill_step_size=64))
-    off = Engine(path, options=EngineOptions(decode_concurrency=8, prefill_step_size=64, prompt_cache_bytes=0))
+    opts = {"decode_concurrency": 8, "prefill_step_size": 64}
+    on = Engine(path, options=EngineOptions(**opts))
+    off = Engine(path, options=EngineOptions(**opts, prompt_cache_bytes=0))
     return request.param, on, off
 
 
