@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -53,7 +52,6 @@ from ..ipc.protocol import (
 )
 from .prefix_cache import PrefixCache
 from .sequence import (
-    EmitFn,
     Listener,
     Sequence,
     TextStream,
@@ -88,14 +86,6 @@ def resolve_model_path(model: str) -> str:
 
     preset, _, seed = model[len(SYNTHETIC_PREFIX) :].partition(":")
     return str(ensure_model(preset, int(seed or 0)))
-
-
-@dataclass
-class Result:
-    """What `Engine.generate` returns besides the tokens it emitted."""
-
-    stats: Stats
-    tail_text: str
 
 
 class Engine:
@@ -177,26 +167,6 @@ class Engine:
                 self._checkpoint(self._running[r.uid])
         self._deliver(gen_responses)
 
-    def generate(
-        self,
-        req: Generate,
-        emit: EmitFn,
-        should_stop=lambda: False,
-        *,
-        queued_at: float | None = None,
-    ) -> Result:
-        """Run `req` to its end (with whatever else is in the batch), calling `emit` per token."""
-        box = _Collector(emit)
-        self.submit(req, box, queued_at=queued_at)
-        while box.stats is None and box.error is None:
-            if should_stop():
-                self.cancel(req.id)
-            self.step()
-        if box.error is not None:
-            raise box.error
-        assert box.stats is not None
-        return Result(stats=box.stats, tail_text=box.tail)
-
     def report(self) -> EngineReport:
         """The queue, the batch and the prefix cache, now (safe to read from another thread)."""
         report = EngineReport(queued=len(self._waiting), batch_size=len(self._running))
@@ -229,15 +199,21 @@ class Engine:
             return
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-        self.generate(Generate(id=-1, prompt=WARMUP_PROMPT, params=params), lambda _t, _s: None)
-        box = _Collector(lambda _t, _s: None)
-        n = self.options.decode_concurrency
-        for i in range(n):
-            self.submit(Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params), box)
-        while self.busy:
-            self.step()
+        self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
+        batch = range(self.options.decode_concurrency)
+        self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
         self.warmup_s = time.perf_counter() - t0
+
+    def _run_to_end(self, reqs: list[Generate]) -> None:
+        """Run `reqs` together until every one has ended; raise the first failure."""
+        box = _Quiet()
+        for req in reqs:
+            self.submit(req, box)
+        while self.busy:
+            self.step()
+        if box.error is not None:
+            raise box.error
 
     # -- a request's way in ----------------------------------------------------
     def prompt_ids(self, req: Generate) -> list[int]:
@@ -423,26 +399,22 @@ def _segments(ids: list[int], cached: int, system_end: int, *, checkpoints: bool
     return [ids[cached:]], ["user"]
 
 
-class _Collector:
-    """A listener for one in-process request: passes tokens on, keeps the end."""
+class _Quiet:
+    """A listener for warm-up requests: drops their output, keeps the first failure."""
 
-    def __init__(self, emit: EmitFn) -> None:
-        self._emit = emit
-        self.stats: Stats | None = None
-        self.tail = ""
-        self.error: BaseException | None = None
+    error: BaseException | None = None
 
     def started(self, req_id: int) -> None:
         pass
 
     def token(self, req_id: int, token: int, text: str) -> None:
-        self._emit(token, text)
+        pass
 
     def done(self, req_id: int, stats: Stats, text: str) -> None:
-        self.stats, self.tail = stats, text
+        pass
 
     def failed(self, req_id: int, exc: BaseException) -> None:
-        self.error = exc
+        self.error = self.error or exc
 
 
 def device_name() -> str:
