@@ -504,7 +504,7 @@ class Suite:
         return agents.run_part(
             self.model_path,
             sizes,
-            servers=["mlxrt-http", *self.plan.http_peers],
+            servers=["mlxrt-http", *self.plan.http_peers, agents.NATIVE],
             say=self.say,
             tokenizer=tokenizer,
         )

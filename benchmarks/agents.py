@@ -16,6 +16,13 @@ server of the same kind with its prompt cache off (``mlxrt serve
 TTFT over it says what reuse saved; turn TTFTs also include waiting behind the
 other agents' work, which the lone uncached request does not.
 
+``native-engine`` runs the same agents in-process on mlxrt's `Engine` (the
+loop the worker runs, with no process, transport or HTTP around it): each
+agent's next turn is submitted the moment its reply ends, and TTFT is taken
+from submission to the first token. Its gap to ``mlxrt-http`` is what the
+process split and the HTTP server cost; its gap to ``mlx_lm.server`` is the
+engine's.
+
 Greedy, ``max_tokens`` = R; mlxrt gets ``ignore_eos``; mlx_lm.server runs with
 its EOS ids cleared (`benchmarks.http_scenario`). Each reply's token count is
 recorded all the same. Rounds alternate the servers (A B A B ...), each round
@@ -29,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -46,6 +54,7 @@ WARMUP_TOKENS = 4
 HTTP_TIMEOUT_S = 600.0
 NO_CACHE_ARGS = {"mlxrt-http": ["--prompt-cache-bytes", "0"], "mlx_lm.server": ["--prompt-cache-size", "0"]}
 SERVERS = ("mlxrt-http", "mlx_lm.server")  # mlxrt serve, then the peer
+NATIVE = "native-engine"  # mlxrt's Engine in-process: the agent part's native baseline
 
 Messages = list[dict[str, str]]
 Say = Callable[[str], None]
@@ -216,6 +225,108 @@ def run_uncached(server: Any, prompts: list[Messages]) -> list[Reply]:
     return [chat_turn(client, server, p, 1, agent=i, turn=0) for i, p in enumerate(prompts)]
 
 
+class NativeAgents:
+    """The agent workload on an in-process `Engine`, one thread, no HTTP: mlxrt's engine alone."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.engine: Any = None
+
+    def setup(self) -> None:
+        from mlxrt.worker.engine import Engine
+
+        self.engine = Engine(self.model_path)
+        self.engine.warmup(WARMUP_TOKENS)
+
+    def warm_up(self) -> None:
+        """Done by `Engine.warmup` in `setup`."""
+
+    def close(self) -> None:
+        self.engine = None
+
+    def describe(self) -> dict[str, Any]:
+        o = self.engine.options
+        return {"target": NATIVE, "engine": {f: getattr(o, f) for f in o.__struct_fields__}}
+
+    def run_agents(self, sizes: Sizes, *, round_: int) -> tuple[list[Reply], list[Messages], float]:
+        """Every agent's turns on the engine; a turn is submitted as soon as the agent's last one ends."""
+        from mlxrt.ipc.protocol import ChatMessage, Generate, SamplingParams
+
+        system = system_prompt(sizes.system_words, seed=round_)
+        params = SamplingParams(max_tokens=sizes.reply_tokens, ignore_eos=True)
+        chats: list[Messages] = [[{"role": "system", "content": system}] for _ in range(sizes.agents)]
+        replies: list[Reply] = []
+        box = _Turns()
+
+        def submit(agent: int) -> None:
+            turn = sum(m["role"] == "user" for m in chats[agent])
+            chats[agent].append({"role": "user", "content": user_message(agent, turn, seed=round_)})
+            req_id = agent * 1000 + turn
+            box.open(req_id)
+            messages = [ChatMessage(m["role"], m["content"]) for m in chats[agent]]
+            self.engine.submit(Generate(id=req_id, messages=messages, params=params), box)
+
+        start = time.perf_counter()
+        for i in range(sizes.agents):
+            submit(i)
+        finals = [list(c) for c in chats]
+        while self.engine.busy:
+            self.engine.step()
+            for req_id, reply in box.take():
+                agent, turn = divmod(req_id, 1000)
+                replies.append(Reply(agent=agent, turn=turn + 1, round=round_, **reply))
+                chats[agent].append({"role": "assistant", "content": reply["text"]})
+                if turn + 1 < sizes.turns:
+                    submit(agent)
+                    finals[agent] = list(chats[agent])
+        if box.error is not None:
+            raise box.error
+        return replies, finals, time.perf_counter() - start
+
+
+class _Turns:
+    """The native agents' listener: each request's submission time, first token, text and stats."""
+
+    def __init__(self) -> None:
+        self.t0: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+        self.text: dict[int, list[str]] = {}
+        self.ended: list[tuple[int, dict[str, Any]]] = []
+        self.error: BaseException | None = None
+
+    def open(self, req_id: int) -> None:
+        self.t0[req_id] = time.perf_counter()
+        self.text[req_id] = []
+
+    def started(self, req_id: int) -> None:
+        pass
+
+    def token(self, req_id: int, token: int, text: str) -> None:
+        self.first.setdefault(req_id, time.perf_counter())
+        self.text[req_id].append(text)
+
+    def done(self, req_id: int, stats: Any, text: str) -> None:
+        end = time.perf_counter()
+        t0 = self.t0.pop(req_id)
+        reply = {
+            "ttft_ms": (self.first.pop(req_id, end) - t0) * 1e3,
+            "total_s": end - t0,
+            "reply_tokens": stats.generation_tokens,
+            "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "finish_reason": stats.finish_reason,
+            "text": "".join(self.text.pop(req_id)) + text,
+        }
+        self.ended.append((req_id, reply))
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        self.error = self.error or exc
+
+    def take(self) -> list[tuple[int, dict[str, Any]]]:
+        out, self.ended = self.ended, []
+        return out
+
+
 # ---------------------------------------------------------------- figures
 
 
@@ -288,11 +399,14 @@ def _factories(model_path: str) -> dict[str, Callable[[list[str]], Any]]:
     return {
         "mlxrt-http": lambda extra: HttpStream(model_path, extra_args=extra),
         "mlx_lm.server": lambda extra: MlxLmServer(model_path, extra_args=extra),
+        NATIVE: lambda extra: NativeAgents(model_path),
     }
 
 
 def _no_cache_why(name: str) -> str | None:
     """None when `name` can run with its prompt cache off, else why not."""
+    if name == NATIVE:
+        return "in-process engine: the uncached reference is mlxrt-http's"
     if name == "mlxrt-http":
         from .http_scenario import serve_accepts
 
@@ -308,7 +422,7 @@ def _start(make: Callable[[], Any], name: str, say: Say) -> tuple[Any, str | Non
     try:
         s = make()
         s.setup()
-        warm_up(s)
+        s.warm_up() if hasattr(s, "warm_up") else warm_up(s)
         return s, None
     except Skipped as exc:
         why = str(exc)
@@ -334,7 +448,9 @@ def _rounds(live: dict[str, Any], sizes: Sizes, res: _Results, skipped: dict[str
         for name in list(live):  # A B A B ...: the servers alternate round by round
             say(f"agent: round {r + 1}/{sizes.rounds} on {name}: {sizes.agents} agents x {sizes.turns} turns")
             try:
-                rs, finals, wall = run_agents(live[name], sizes, round_=r)
+                server = live[name]
+                run = server.run_agents if hasattr(server, "run_agents") else partial(run_agents, server)
+                rs, finals, wall = run(sizes, round_=r)
             except Exception as exc:
                 skipped[name] = f"failed in round {r + 1}: {type(exc).__name__}: {exc}"
                 say(f"agent: skip {name}: {skipped[name]}")

@@ -140,6 +140,21 @@ def test_reuse_inside_a_batch_keeps_ids(engines):
     assert rec.stats[31].cached_tokens > 0 and rec.stats[32].cached_tokens > 0
 
 
+def test_chats_arriving_together_prefill_their_system_prompt_once(engines):
+    """Chats that share an uncached system prompt: one prefills it, the others start from its checkpoint."""
+    name, on, off = engines
+    system = "You keep a lighthouse and log every ship that passes, with its flag and cargo. " * 4
+    reqs = [gen(40 + i, messages=chat(f"Ship {i}: what did you see?", system=system)) for i in range(4)]
+    rec = run_batch(on, reqs)
+    assert rec.ids == {r.id: run_alone(off, r)[0] for r in reqs}, name
+    cached = sorted(rec.stats[r.id].cached_tokens for r in reqs)
+    system_tokens = len(on.tokenizer.encode(system))
+    assert cached[0] < system_tokens <= min(cached[1:]), (name, cached)
+    # a follower waited for the leader's system prompt, not for its whole prompt
+    lead = rec.stats[min(reqs, key=lambda r: rec.stats[r.id].cached_tokens).id]
+    assert max(rec.stats[r.id].queue_ms for r in reqs) < lead.queue_ms + lead.ttft_ms
+
+
 def test_cancel_and_failure_in_a_batch_leave_the_others_unchanged(engines):
     """A cancelled, a failing and a normal request together: only the failing one errors."""
     _, on, off = engines
@@ -204,3 +219,13 @@ def test_stop_strings_and_stop_ids_in_a_batch():
     assert rec.ids == {k: v[0] for k, v in alone.items()}
     assert rec.stats[2].finish_reason == "stop" and stop not in rec.text[2]
     assert rec.stats[4].finish_reason == "stop" and rec.ids[4] == free[:5]
+
+
+def test_long_warmup_prompt_passes_one_prefill_step():
+    """On a GPU the warm-up also prefills a prompt past one prefill step (two chunk shapes)."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prefill_step_size=64))
+    ids = engine._long_warmup_ids(4)
+    assert 64 < len(ids) < engine.context_length - 4
+    assert all(0 <= t < engine.vocab_size for t in ids)

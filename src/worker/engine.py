@@ -29,6 +29,12 @@ prompt is inserted in segments (mlx-lm's `insert_segments`) and a checkpoint
 is kept at each boundary a later request can share: the end of the chat's
 system prompt and the end of the prompt; a later turn of the same chat
 starts from the latter.
+
+A system prompt is prefilled once, however many chats that share it arrive
+together: every chat is inserted in segments split at the end of its system
+prompt, the first one to need an uncached system prompt leads, and the
+others that need the same one wait in the queue until the leader's
+checkpoint lands, then start from it (`_leaders`).
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ from .sequence import (
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
 WARMUP_PROMPT = "Warm up the kernels."
+#: System prompts whose templated tokens are remembered (a chat's every turn repeats its own).
+MAX_TEMPLATE_HEADS = 32
 
 
 class PromptTooLongError(ValueError):
@@ -114,6 +122,9 @@ class Engine:
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
+        #: Uncached system prompts being prefilled now, each by one leading sequence (its uid).
+        self._leaders: dict[tuple[int, ...], int] = {}
+        self._heads: dict[tuple, list[int]] = {}  # system messages -> their templated tokens
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
 
@@ -189,21 +200,32 @@ class Engine:
         mx.clear_cache()
 
     def warmup(self, tokens: int) -> None:
-        """Compile kernels before the first request: one sequence, then a full decode batch.
+        """Compile kernels before the first request: one sequence, a long prompt, a full decode batch.
 
         A batch of `decode_concurrency` sequences runs other kernels than one
-        sequence (quantised matmuls switch from vector to matrix kernels); on
-        CUDA the first use of each costs seconds, so a full batch warms them.
+        sequence (quantised matmuls switch from vector to matrix kernels), and
+        so does a prompt chunk of `prefill_step_size` tokens; on CUDA the first
+        use of each costs seconds (38 s for the first long prompts seen on an
+        H200), so a full batch and, on a GPU, a prompt past one prefill step
+        warm them. The CPU compiles nothing, so it skips the long prompt.
         """
         if tokens <= 0:
             return
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
+        if mx.default_device().type == mx.DeviceType.gpu:
+            self._run_to_end([Generate(id=-1, prompt_ids=self._long_warmup_ids(tokens), params=params)])
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
         self.warmup_s = time.perf_counter() - t0
+
+    def _long_warmup_ids(self, tokens: int) -> list[int]:
+        """A prompt one prefill step and a bit long (two chunk shapes), within the context."""
+        n = min(self.options.prefill_step_size + 64, self.context_length - tokens - 1)
+        unit = self.tokenizer.encode(WARMUP_PROMPT)
+        return (unit * (n // len(unit) + 1))[:n]
 
     def _run_to_end(self, reqs: list[Generate]) -> None:
         """Run `reqs` together until every one has ended; raise the first failure."""
@@ -254,10 +276,21 @@ class Engine:
         n = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
         if n == 0 or n == len(messages):
             return 0
-        head = self._apply_template([*messages[:n], ChatMessage("user", "")], add_generation_prompt=False)
+        head = self._template_head(tuple((m.role, m.content) for m in messages[:n]))
         pairs = enumerate(zip(head, ids, strict=False))
         end = next((i for i, (a, b) in pairs if a != b), min(len(head), len(ids)))
         return end if 0 < end < len(ids) - 1 else 0
+
+    def _template_head(self, system: tuple[tuple[str, str], ...]) -> list[int]:
+        """The template's tokens for these system messages and an empty user turn (memoised)."""
+        head = self._heads.get(system)
+        if head is None:
+            messages = [*(ChatMessage(r, c) for r, c in system), ChatMessage("user", "")]
+            head = self._apply_template(messages, add_generation_prompt=False)
+            if len(self._heads) >= MAX_TEMPLATE_HEADS:
+                self._heads.pop(next(iter(self._heads)))
+            self._heads[system] = head
+        return head
 
     def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
         p = req.params
@@ -269,11 +302,10 @@ class Engine:
         sampler = make_request_sampler(p)
         check_sampler(sampler, self.vocab_size)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos))
-        checkpoints = not self.trimmable and self.prefix_cache.enabled
         return Sequence(
             req=req,
             ids=ids,
-            system_end=self._system_end(req, ids) if checkpoints and req.messages else 0,
+            system_end=self._system_end(req, ids) if self.prefix_cache.enabled and req.messages else 0,
             max_tokens=min(p.max_tokens, self.context_length - len(ids)),
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
@@ -285,8 +317,12 @@ class Engine:
 
     def _admit(self) -> None:
         room = self.options.decode_concurrency - len(self._running)
+        following: list[Sequence] = []
         while room > 0 and self._waiting:
             seq = self._waiting.popleft()
+            if seq.system_end and tuple(seq.ids[: seq.system_end]) in self._leaders:
+                following.append(seq)  # its system prompt is being prefilled: wait for the checkpoint
+                continue
             room -= 1
             if not self._running:
                 mx.reset_peak_memory()
@@ -294,11 +330,12 @@ class Engine:
                 self._insert(seq)
             except Exception as exc:
                 seq.listener.failed(seq.req.id, exc)
+        self._waiting.extendleft(reversed(following))
 
     def _insert(self, seq: Sequence) -> None:
         cache, n = self.prefix_cache.fetch(seq.ids)
         seq.cached_tokens = n
-        segments, kinds = _segments(seq.ids, n, seq.system_end, checkpoints=not self.trimmable)
+        segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
         (seq.uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[seq.max_tokens],
@@ -311,16 +348,27 @@ class Engine:
         seq.checkpoint_kinds = kinds
         seq.admitted_at = time.perf_counter()
         self._running[seq.uid] = seq
+        if "system" in kinds:
+            seq.leads = tuple(seq.ids[: seq.system_end])
+            self._leaders[seq.leads] = seq.uid
         seq.listener.started(seq.req.id)
 
     # -- a step's results ------------------------------------------------------
     def _checkpoint(self, seq: Sequence) -> None:
-        """Keep the cache at the prompt boundary just reached (non-trimmable caches only)."""
+        """Keep the cache at the prompt boundary just reached."""
         if not seq.checkpoint_kinds:
             return
         kind = seq.checkpoint_kinds.pop()
         for cache, tokens in self._batch.extract_cache([seq.uid]).values():
             self.prefix_cache.insert(tokens, cache, kind)
+        if kind == "system":
+            self._unlead(seq)
+
+    def _unlead(self, seq: Sequence) -> None:
+        """`seq` no longer prefills a system prompt for others: its followers may start."""
+        if seq.leads is not None:
+            self._leaders.pop(seq.leads, None)
+            seq.leads = None
 
     def _deliver(self, responses: list) -> None:
         now, size = time.perf_counter(), len(responses)
@@ -351,6 +399,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
         del self._running[seq.uid]
+        self._unlead(seq)
         if cache is not None and reason != "cancelled":
             self.prefix_cache.insert(tokens, cache, "assistant")
         seq.listener.done(seq.req.id, seq.stats(reason), seq.text.finish())
@@ -360,6 +409,7 @@ class Engine:
         error = BatchStepError(f"batch step failed: {exc!r}")
         error.__cause__ = exc
         running, self._running = list(self._running.values()), {}
+        self._leaders.clear()
         self._batch.close()
         self._batch = self._new_batch()
         for seq in running:
@@ -385,18 +435,21 @@ def _always_trimmable(cache: list) -> bool:
     return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
 
 
-def _segments(ids: list[int], cached: int, system_end: int, *, checkpoints: bool) -> tuple[list, list[str]]:
+def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool) -> tuple[list, list[str]]:
     """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
 
-    mlx-lm splits the last token off into a segment of its own, so the end of
-    the prompt before it is a boundary too ("user": the next turn of this chat
-    starts with this whole prompt).
+    An uncached system prompt is a segment of its own, checkpointed, so that
+    chats arriving beside this one start from it. mlx-lm splits the last
+    token off into a segment of its own, so the end of the prompt before it
+    is a boundary too: a cache that cannot be trimmed is checkpointed there
+    ("user": the next turn of this chat starts with this whole prompt); a
+    trimmable one needs no such checkpoint, the finished sequence's cache
+    is trimmed back instead.
     """
-    if not checkpoints:
-        return [ids[cached:]], []
+    end = [] if trimmable else ["user"]
     if cached < system_end:
-        return [ids[cached:system_end], ids[system_end:]], ["user", "system"]
-    return [ids[cached:]], ["user"]
+        return [ids[cached:system_end], ids[system_end:]], [*end, "system"]
+    return [ids[cached:]], end
 
 
 class _Quiet:

@@ -204,8 +204,10 @@ class Sequence:
     #: Decode steps this sequence took part in, and the batch sizes of those steps, summed.
     steps: int = 0
     batch_size_sum: int = 0
-    #: Kinds of the prompt checkpoints still to take, last first (non-trimmable caches).
+    #: Kinds of the prompt checkpoints still to take, last first.
     checkpoint_kinds: list[str] = field(default_factory=list)
+    #: The system prompt this sequence prefills for others that wait for its checkpoint.
+    leads: tuple[int, ...] | None = None
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
