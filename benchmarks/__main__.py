@@ -43,7 +43,7 @@ PARTS = ("components", "concurrency", "agent")
 NATIVE_BATCH = "native-batch"
 DEFAULT_CONCURRENCY = "1,4,16"
 FULL_CONCURRENCY = "1,4,16,32"  # --full, and the default on a GPU
-AGENT_FLAGS = ("agents", "turns", "reply_tokens", "system_words", "agent_rounds")
+AGENT_FLAGS = ("agents", "turns", "reply_tokens", "system_words", "agent_rounds", "agent_warmup_rounds")
 DEFAULTS = {"prompt_tokens": 128, "gen_tokens": 128, "rounds": 5}
 QUICK = {"prompt_tokens": 32, "gen_tokens": 32, "rounds": 2}
 WARMUP_TOKENS = 16
@@ -81,7 +81,9 @@ def agent_sizes(args: argparse.Namespace) -> agents.Sizes:
     base = agents.QUICK if args.quick else agents.FULL if full_sizes(args) else agents.CPU
     given = {k: getattr(args, k) for k in AGENT_FLAGS if getattr(args, k) is not None}
     rounds = given.pop("agent_rounds", 1)
-    return agents.Sizes(**{**base, **given}, rounds=rounds)
+    # On a GPU the first server to meet a shape compiles its kernels (cached on disk for the rest).
+    warmup = given.pop("agent_warmup_rounds", 0 if backend() == "cpu" else 1)
+    return agents.Sizes(**{**base, **given}, rounds=rounds, warmup_rounds=warmup)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -171,6 +173,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.add_argument("--reply-tokens", type=int, help="tokens per reply (max_tokens; EOS off where it can be)")
     a.add_argument("--system-words", type=int, help="words of the shared system prompt")
     a.add_argument("--agent-rounds", type=int, help="rounds, the servers alternating (default 1)")
+    a.add_argument(
+        "--agent-warmup-rounds",
+        type=int,
+        help="unmeasured rounds on every server first, each with its own system prompt (default: 1 on a"
+        " GPU, where the first server to meet a shape pays its kernel compilation; 0 on a CPU)",
+    )
     p.add_argument(
         "--full",
         action="store_true",

@@ -69,6 +69,8 @@ class Sizes:
     reply_tokens: int
     system_words: int
     rounds: int = 1
+    #: Unmeasured rounds on every server before the measured ones (kernel compilation, caches).
+    warmup_rounds: int = 0
 
 
 @dataclass(kw_only=True)
@@ -220,8 +222,14 @@ def run_agents(server: Any, sizes: Sizes, *, round_: int) -> tuple[list[Reply], 
 
 
 def run_uncached(server: Any, prompts: list[Messages]) -> list[Reply]:
-    """Each prompt alone, one after another (one token each: only the TTFT is wanted)."""
+    """Each prompt alone, one after another (one token each: only the TTFT is wanted).
+
+    The first prompt goes once more first, unmeasured: this fresh server would
+    otherwise time its first long prompt's first-use costs (up to 46 s of
+    kernel compilation on a fresh CUDA host).
+    """
     client = _client(server.base_url)
+    chat_turn(client, server, prompts[0], 1)
     return [chat_turn(client, server, p, 1, agent=i, turn=0) for i, p in enumerate(prompts)]
 
 
@@ -443,7 +451,21 @@ class _Results:
         self.finals: dict[str, list[Messages]] = {}  # round 0's final-turn prompts
 
 
+WARMUP_ROUND_SEED = 1_000_000  # warm-up rounds' system prompts share nothing with the measured ones
+
+
+def _warm_rounds(live: dict[str, Any], sizes: Sizes, say: Say) -> None:
+    """Unmeasured rounds on every server: MLX's CUDA backend compiles a kernel the first time any
+    process meets its shape and caches it on disk, so without them the first server pays for all."""
+    for r in range(sizes.warmup_rounds):
+        for name, server in live.items():
+            say(f"agent: warm-up round {r + 1}/{sizes.warmup_rounds} on {name} (not measured)")
+            run = server.run_agents if hasattr(server, "run_agents") else partial(run_agents, server)
+            run(sizes, round_=WARMUP_ROUND_SEED + r)
+
+
 def _rounds(live: dict[str, Any], sizes: Sizes, res: _Results, skipped: dict[str, str], say: Say) -> None:
+    _warm_rounds(live, sizes, say)
     for r in range(sizes.rounds):
         for name in list(live):  # A B A B ...: the servers alternate round by round
             say(f"agent: round {r + 1}/{sizes.rounds} on {name}: {sizes.agents} agents x {sizes.turns} turns")

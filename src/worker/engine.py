@@ -204,9 +204,9 @@ class Engine:
 
         A batch of `decode_concurrency` sequences runs other kernels than one
         sequence (quantised matmuls switch from vector to matrix kernels), and
-        so does a prompt chunk of `prefill_step_size` tokens; on CUDA the first
+        so do prompt chunks of `prefill_step_size` tokens; on CUDA the first
         use of each costs seconds (38 s for the first long prompts seen on an
-        H200), so a full batch and, on a GPU, a prompt past one prefill step
+        H200), so a full batch and, on a GPU, a prompt past two prefill steps
         warm them. The CPU compiles nothing, so it skips the long prompt.
         """
         if tokens <= 0:
@@ -222,8 +222,14 @@ class Engine:
         self.warmup_s = time.perf_counter() - t0
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
-        """A prompt one prefill step and a bit long (two chunk shapes), within the context."""
-        n = min(self.options.prefill_step_size + 64, self.context_length - tokens - 1)
+        """A prompt two prefill steps and a bit long, within the context.
+
+        Three chunk shapes: a full one from the start, a full one over a
+        cache as long (its own attention kernels: one step and a bit was
+        seen to leave a 46 s compile to the first 4k-token prompt on an
+        H100), and a short tail.
+        """
+        n = min(2 * self.options.prefill_step_size + 64, self.context_length - tokens - 1)
         unit = self.tokenizer.encode(WARMUP_PROMPT)
         return (unit * (n // len(unit) + 1))[:n]
 
