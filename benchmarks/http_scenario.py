@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -47,6 +48,8 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 600.0
 MODEL_NAME = "bench"
+#: Where server processes write their stderr for reading afterwards (else a temporary file).
+LOG_DIR_ENV = "MLXRT_BENCH_SERVER_LOGS"
 
 
 class _Choice(msgspec.Struct):
@@ -125,7 +128,12 @@ class _ServerProcess:
     def _start(self, argv: list[str]) -> None:
         # stderr to a file, not a pipe: nobody reads a pipe while we measure, and a
         # full one would stall the server mid-benchmark.
-        self._log = tempfile.TemporaryFile()
+        keep = os.environ.get(LOG_DIR_ENV)
+        if keep:  # kept for reading afterwards (with MLXRT_LOG_LEVEL=info: one line per request)
+            os.makedirs(keep, exist_ok=True)
+            self._log = open(os.path.join(keep, f"{type(self).__name__}-{time.time_ns()}.log"), "w+b")
+        else:
+            self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log
         )
@@ -178,6 +186,7 @@ class HttpStream(_ServerProcess):
                 sys.executable,
                 "-m",
                 "mlxrt",
+                *(["--log-level", "info"] if os.environ.get(LOG_DIR_ENV) else []),
                 "serve",
                 "--model",
                 f"{MODEL_NAME}={self.model_path}",

@@ -178,10 +178,15 @@ class Generation:
             m.cached_tokens.labels(self.model).inc(stats.cached_tokens)
             if stats.decode_tps > 0:
                 m.decode_rate.labels(self.model).observe(stats.decode_tps)
+        worker = {} if stats is None else {  # the worker's share of the TTFT: waiting, then prefill
+            "worker_queue_ms": round(stats.queue_ms, 2),
+            "worker_ttft_ms": round(stats.ttft_ms, 2),
+            "cached_tokens": stats.cached_tokens,
+        }
         log.info("http.generation", endpoint=self.endpoint, model=self.model, reason=reason,
                  prompt_tokens=self.prompt_tokens, tokens=self.tokens,
                  ttft_ms=round(self.ttft_s * 1e3, 2),
-                 total_ms=round((time.perf_counter() - self.t0) * 1e3, 2))
+                 total_ms=round((time.perf_counter() - self.t0) * 1e3, 2), **worker)
 
 
 class Service:
