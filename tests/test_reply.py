@@ -62,6 +62,12 @@ def test_reply_that_starts_inside_think_is_reasoning_until_it_closes():
     assert got == ("Hello.", "Hmm.", [])
 
 
+def test_a_call_may_start_inside_the_reasoning():
+    """As in mlx_lm.server, a call opened before </think> is still a call; the answer follows it."""
+    got = shape(split(qwen_splitter(), f"<think>\nHmm <tool_call>\n{CALL}\n</tool_call>\nDone.", 4))
+    assert got == ("Done.", "Hmm", [("get_weather", {"city": "Paris"})])
+
+
 @pytest.mark.parametrize("reply, content", [
     ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>"),
     ('<tool_call>\n{"name": "get_weather", "argu', '<tool_call>\n{"name": "get_weather", "argu'),

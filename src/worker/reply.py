@@ -213,17 +213,24 @@ class _Edges:
 
 
 class TagSplitter:
-    """``<think>`` and ``<tool_call>`` markup, through mlx-lm's `TextStateMachine`."""
+    """``<think>`` and ``<tool_call>`` markup, through mlx-lm's `TextStateMachine`.
 
-    def __init__(self, *, think: tuple[str, str] | None, call: tuple[str, str] | None, parser, tools: list,
-                 initial: str = "normal") -> None:
+    The transitions are `mlx_lm.generate.make_text_state_machine`'s (a call may also start
+    inside the reasoning; a parser without an end marker calls to the end of the reply), with
+    the call markup left out when the request has no tools, so it stays answer text.
+    """
+
+    def __init__(self, *, think: tuple[str, str] | None, call: tuple[str, str | None] | None, parser,
+                 tools: list, initial: str = "normal") -> None:
         transitions: dict[str, list[tuple[str, str]]] = {}
         if think is not None:
             transitions["normal"] = [(think[0], "reasoning")]
             transitions["reasoning"] = [(think[1], "normal")]
         if call is not None:
             transitions.setdefault("normal", []).append((call[0], "tool"))
-            transitions["tool"] = [(call[1], "normal")]
+            if think is not None:
+                transitions["reasoning"].append((call[0], "tool"))
+            transitions["tool"] = [(call[1], "normal")] if call[1] else []
         self._call_markup = call
         self._parser = parser
         self._tools = tools
@@ -275,7 +282,7 @@ class TagSplitter:
             parts.calls.extend(c for c in calls if c is not None)
         else:
             start, end = self._call_markup or ("", "")
-            parts.content = start + text + (end if closed else "")
+            parts.content = start + text + (end or "" if closed else "")
         return parts
 
 
