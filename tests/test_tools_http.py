@@ -267,30 +267,55 @@ def test_ollama_show_lists_tools_and_thinking(oll):
 # ---- the Python API -------------------------------------------------------------------
 
 
-def test_python_api_reasoning_and_tool_calls(scripted_env):
-    """Completion.reasoning and .tool_calls (finish_reason tool_calls), and a round trip with them."""
+@pytest.fixture(scope="module")
+def rt(scripted_env):
+    """The Python API over scripted workers of Qwen3, gpt-oss and Llama."""
     from mlxrt.worker.synthetic import ensure_model
 
-    with Runtime(model=str(ensure_model("tiny-qwen3")), transport="stdio", _worker_argv=SCRIPTED) as rt:
-        first = rt.generate(ASK, tools=TOOLS, max_tokens=200)
-        assert (first.text, first.reasoning) == ("", "I should call the tool.")
-        assert first.finish_reason == "tool_calls"
-        (call,) = first.tool_calls
-        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
-        chunks = list(rt.stream(ASK, tools=TOOLS, max_tokens=200))
-        assert "".join(c.reasoning for c in chunks) == first.reasoning
-        assert [c.name for ch in chunks for c in ch.tool_calls] == ["get_weather"]
-        history = [*ASK, {"role": "assistant", "content": "", "tool_calls": first.tool_calls},
-                   {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-        second = rt.generate(history, tools=TOOLS, max_tokens=200)
-        assert (second.text, second.reasoning) == ("It is sunny in Paris.", "The tool answered.")
-        assert second.tool_calls == [] and second.finish_reason == "stop"
-        assert rt.generate([{"role": "user", "content": "Say hi"}], think=False, max_tokens=50).text == \
-            "Hello without thinking."
-        with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
-            rt.generate(ASK, tools=[{"type": "function", "function": {"description": "no name"}}])
-        with pytest.raises(ValueError, match="tools, tool_choice and think need chat messages"):
-            rt.generate("raw text", think=True)
+    models = {name: str(ensure_model(p)) for name, p in
+              (("qwen3", "tiny-qwen3"), ("gpt-oss", "tiny-gpt-oss"), ("llama", "tiny-llama"))}
+    runtime = Runtime(models=models, transport="stdio", _worker_argv=SCRIPTED)
+    pids = [w.pid for w in runtime.workers]
+    yield runtime
+    runtime.close()
+    assert_stopped(pids)
+
+
+@pytest.mark.parametrize("model", THINKERS)
+def test_python_api_reasoning_and_tool_calls(rt, model):
+    """Completion.reasoning and .tool_calls (finish_reason tool_calls), streamed per chunk, and a round
+    trip that sends them back."""
+    first = rt.generate(ASK, model=model, tools=TOOLS, max_tokens=200)
+    assert (first.text, first.reasoning) == ("", "I should call the tool.")
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = list(rt.stream(ASK, model=model, tools=TOOLS, max_tokens=200))
+    assert "".join(c.reasoning for c in chunks) == first.reasoning
+    assert [c.name for ch in chunks for c in ch.tool_calls] == ["get_weather"]
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": first.tool_calls},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = rt.generate(history, model=model, tools=TOOLS, max_tokens=200)
+    assert (second.text, second.reasoning) == ("It is sunny in Paris.", "The tool answered.")
+    assert second.tool_calls == [] and second.finish_reason == "stop"
+
+
+def test_python_api_think_and_its_refusals(rt):
+    """think=False and think="high" reach the templates; bad tools, chat keywords on raw text, and
+    thinking or tools for a model without them raise ValueError naming the field."""
+    hi = [{"role": "user", "content": "Say hi"}]
+    assert rt.generate(hi, model="qwen3", think=False, max_tokens=50).text == "Hello without thinking."
+    high = rt.generate([{"role": "user", "content": "Go"}], model="gpt-oss", think="high", max_tokens=50)
+    assert (high.text, high.reasoning) == ("Done.", "Thinking hard.")
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
+        rt.generate(ASK, model="qwen3", tools=[{"type": "function", "function": {"description": "no name"}}])
+    with pytest.raises(ValueError, match="tools, tool_choice and think need chat messages"):
+        rt.generate("raw text", model="qwen3", think=True)
+    with pytest.raises(ValueError, match="think: model 'llama' does not support thinking"):
+        rt.generate(hi, model="llama", think=True)
+    with pytest.raises(ValueError, match="tools: model 'llama' does not support tools"):
+        rt.generate(ASK, model="llama", tools=TOOLS)
+    assert rt.generate(hi, model="llama", think=False, max_tokens=2).stats.generation_tokens >= 1
 
 
 # ---- bad input ------------------------------------------------------------------------
