@@ -70,13 +70,14 @@ def _think(think: Think) -> tuple[bool | None, str | None]:
     raise ValueError(f"invalid think={think!r}: true, false, or one of {list(REASONING_EFFORTS)}")
 
 
-def missing_capability(chat: ChatOptions | None, caps: Capabilities | None) -> str | None:
-    """"thinking" or "tools" when `chat` asks for what the model cannot do; None if it can (or unknown)."""
-    if chat is None or caps is None:
+def missing_capability(caps: Capabilities | None, *, thinking: bool, tools: bool) -> str | None:
+    """"thinking" or "tools" when a request needs what the model cannot do; None if it can (or
+    `caps` is unknown: the worker checks then)."""
+    if caps is None:
         return None
-    if chat.wants_thinking and not caps.thinking:
+    if thinking and not caps.thinking:
         return "thinking"
-    if chat.tools and not caps.tools:
+    if tools and not caps.tools:
         return "tools"
     return None
 

@@ -488,7 +488,10 @@ def _collect(chunks: list[Chunk], stream: _StreamBase) -> Completion:
 
 def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
     """`ValueError` when `req` asks the model for thinking or tools it does not support."""
-    missing = missing_capability(req.chat, ready.capabilities if ready is not None else None)
+    if req.chat is None or ready is None:
+        return
+    chat = req.chat
+    missing = missing_capability(ready.capabilities, thinking=chat.wants_thinking, tools=bool(chat.tools))
     if missing is not None:
         raise ValueError(f"invalid {'think' if missing == 'thinking' else 'tools'}: "
                          f"model {name!r} does not support {missing}")

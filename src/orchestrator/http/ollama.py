@@ -224,20 +224,20 @@ def chat_params(req: OllamaChatRequest) -> dict[str, Any]:
     return params
 
 
-def tool_calls_out(calls: list[ToolCall]) -> list[OllamaToolCallOut]:
-    """Calls as Ollama returns them: arguments as an object (the worker made them JSON objects)."""
+def tool_calls_out(calls: list[ToolCall], first: int = 0) -> list[OllamaToolCallOut]:
+    """Calls as Ollama returns them, numbered from `first`: arguments as an object (the worker
+    made them JSON objects)."""
     return [OllamaToolCallOut(id=c.id, function=OllamaFunctionOut(
-        index=i, name=c.name, arguments=msgspec.json.decode(c.arguments))) for i, c in enumerate(calls)]
+        index=first + i, name=c.name, arguments=msgspec.json.decode(c.arguments)))
+        for i, c in enumerate(calls)]
 
 
 def _set_message(message: OllamaMessageOut, text: str, reasoning: str, calls: list[ToolCall],
                  *, think: bool, first_call: int = 0) -> None:
+    """One chunk's message: thinking left out with ``think: false``, calls only when there are some."""
     message.content = text
     message.thinking = reasoning if reasoning and think else msgspec.UNSET
-    out = tool_calls_out(calls)
-    for k, c in enumerate(out):
-        c.function.index = first_call + k
-    message.tool_calls = out if out else msgspec.UNSET
+    message.tool_calls = tool_calls_out(calls, first_call) if calls else msgspec.UNSET
 
 
 def _timings(chunk: OllamaChunk, gen: Generation) -> None:

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ...ipc.protocol import Capabilities, ToolCall
+from ..chat import missing_capability
 from ..errors import MlxrtError
 from ..runtime import AsyncRuntime, AsyncStream, Chunk
 from .body import decode, read_body
@@ -231,14 +232,7 @@ class Service:
     def missing_capability(self, name: str, *, thinking: bool, tools: bool) -> str | None:
         """"thinking" or "tools" when the request needs what the model lacks (unknown: None, the
         worker checks)."""
-        caps = self.capabilities(name)
-        if caps is None:
-            return None
-        if thinking and not caps.thinking:
-            return "thinking"
-        if tools and not caps.tools:
-            return "tools"
-        return None
+        return missing_capability(self.capabilities(name), thinking=thinking, tools=tools)
 
     def model(self, requested: str, *, ollama: bool = False) -> str:
         """The served model called `requested`, or served from the path `requested` (Ollama's
