@@ -5,7 +5,7 @@
         print(rt.generate("Hello", max_tokens=16).text)
 """
 
-from .ipc.protocol import EngineOptions, SamplingParams, Stats
+from .ipc.protocol import EngineOptions, SamplingParams, Stats, ToolCall
 from .orchestrator.config import Supervision, Timeouts
 from .orchestrator.errors import (
     ChannelError,
@@ -43,6 +43,7 @@ __all__ = [
     "Stream",
     "Supervision",
     "Timeouts",
+    "ToolCall",
     "WorkerDied",
     "WorkerInfo",
     "WorkerMemory",

@@ -29,11 +29,11 @@ class Recorder:
     def started(self, req_id: int) -> None:
         self.started_ids.append(req_id)
 
-    def token(self, req_id: int, token: int, text: str) -> None:
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
         self.ids.setdefault(req_id, []).append(token)
         self.text[req_id] = self.text.get(req_id, "") + text
 
-    def done(self, req_id: int, stats, text: str) -> None:
+    def done(self, req_id: int, stats, text: str, reasoning: str = "", calls=None) -> None:
         self.text[req_id] = self.text.get(req_id, "") + text
         self.stats[req_id] = stats
 

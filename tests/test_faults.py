@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -74,6 +75,27 @@ def test_corrupt_model_directory_is_a_clear_error(tmp_path, tiny_model, breakage
             f.write_bytes(b"\0" * 64)
     with pytest.raises(ModelLoadError, match="failed to start|exited before"):
         Runtime(model=str(bad), transport="stdio")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "no_such_arch"}, "Model type no_such_arch not supported"),
+    ({"num_hidden_layers": 3}, "Missing 11 parameters"),
+    ({"hidden_size": 128}, r"Expected shape \(2048, 128\) but received shape \(2048, 64\)"),
+], ids=["unknown-architecture", "more-layers-than-weights", "wider-than-weights"])
+def test_config_that_does_not_match_the_model_is_a_clear_error(tmp_path, change, message):
+    """A config.json for an architecture mlx-lm does not know, or whose shapes the weights do not
+    match: the worker's Fatal reaches the caller as ModelLoadError with mlx-lm's reason, at once."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for f in ensure_model("tiny-qwen3").iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelLoadError, match=f"failed to start: ValueError: {message}"):
+        run_with_deadline(lambda: Runtime(model=str(bad), transport="stdio"), 120)
 
 
 def test_unknown_synthetic_preset_is_a_clear_error():

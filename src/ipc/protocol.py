@@ -14,7 +14,7 @@ are cheap to call and costly to build. No pickle anywhere.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -31,9 +31,82 @@ DEFAULT_REPETITION_CONTEXT = 20
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One function call: in a reply (parsed in the worker) or in an earlier assistant turn."""
+
+    name: str
+    #: The arguments as JSON text (an object), as OpenAI sends them.
+    arguments: str = "{}"
+    id: str = ""
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     role: str
     content: str
+    #: An assistant turn's calls, and its reasoning (the template decides whether to render it).
+    tool_calls: list[ToolCall] = []
+    reasoning: str | None = None
+    #: A tool result: the call it answers and the function's name.
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+#: Ollama's `think` levels, the chat templates' `reasoning_effort` (gpt-oss).
+REASONING_EFFORTS = ("low", "medium", "high")
+TOOL_CHOICES = ("auto", "required", "function")
+
+
+class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How a chat is templated and its reply split: tools, tool choice, thinking.
+
+    Validated in the orchestrator; the worker renders `tools`, `enable_thinking`
+    and `reasoning_effort` through the model's chat template and parses the
+    reply's tool calls only when `tools` is not empty. Tool choice "none" never
+    reaches the worker: its tools are dropped at the edge.
+    """
+
+    #: OpenAI-shaped function tools: {"type": "function", "function": {"name", "description", "parameters"}}.
+    tools: list[dict[str, Any]] = []
+    #: "auto", "required", or "function" (call `tool_name`). Rendered and parsed alike for now:
+    #: a grammar that forces the call belongs to structured output.
+    tool_choice: str = "auto"
+    tool_name: str = ""
+    #: None: the template's default (a thinking model thinks); False renders enable_thinking=False.
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
+
+    def validate(self) -> ChatOptions:
+        """Raise `ValueError` naming the first bad field (``tools[0].function.name``); return self."""
+        names = []
+        for i, tool in enumerate(self.tools):
+            kind = tool.get("type", "function") if isinstance(tool, dict) else tool
+            _check(kind == "function", f"tools[{i}].type", 'must be "function"', kind)
+            fn = tool.get("function")
+            _check(isinstance(fn, dict), f"tools[{i}].function", "required, an object", fn)
+            name = fn.get("name")
+            _check(isinstance(name, str) and name.strip() != "", f"tools[{i}].function.name",
+                   "required, a non-empty string", name)
+            params = fn.get("parameters")
+            _check(params is None or isinstance(params, dict), f"tools[{i}].function.parameters",
+                   "must be a JSON schema object", params)
+            _check(name not in names, f"tools[{i}].function.name", "names a function twice", name)
+            names.append(name)
+        _check(self.tool_choice in TOOL_CHOICES, "tool_choice", f"must be one of {TOOL_CHOICES}",
+               self.tool_choice)
+        if self.tool_choice != "auto":
+            _check(bool(self.tools), "tool_choice", "needs tools", self.tool_choice)
+        if self.tool_choice == "function":
+            _check(self.tool_name in names, "tool_choice.function.name",
+                   f"names no function among the tools {names}", self.tool_name)
+        if self.reasoning_effort is not None:
+            _check(self.reasoning_effort in REASONING_EFFORTS, "reasoning_effort",
+                   f"must be one of {REASONING_EFFORTS}", self.reasoning_effort)
+        return self
+
+    @property
+    def wants_thinking(self) -> bool:
+        """Whether the request asks for thinking (a model that cannot think must refuse it)."""
+        return bool(self.enable_thinking) or self.reasoning_effort is not None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -153,6 +226,7 @@ class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    chat: ChatOptions | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -185,6 +259,21 @@ class Attached(msgspec.Struct, tag="attached", array_like=True):
     pid: int
 
 
+class Capabilities(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the loaded model's tokenizer and chat template support, found by the worker and sent in
+    `Ready`, so the orchestrator refuses what the model cannot do before a request is sent."""
+
+    chat_template: bool = False
+    #: How the reply marks its reasoning: "" (it does not), "think" (<think> tags, mlx-lm's
+    #: `has_thinking`), "harmony" (gpt-oss's analysis channel).
+    thinking: str = ""
+    #: The chat template takes `enable_thinking`, so thinking can be turned off.
+    thinking_switch: bool = False
+    #: How tool calls are written and parsed: "" (no parser: tools are refused), the name of
+    #: mlx-lm's tool parser (``json_tools``, ...), or "harmony".
+    tools: str = ""
+
+
 class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
     protocol: int
     pid: int
@@ -196,6 +285,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
     mlx_version: str
     mlx_lm_version: str
     device: str
+    capabilities: Capabilities | None = None
 
 
 class Started(msgspec.Struct, tag="started", array_like=True):
@@ -205,11 +295,17 @@ class Started(msgspec.Struct, tag="started", array_like=True):
 
 
 class Tokens(msgspec.Struct, tag="t", array_like=True):
-    """Tokens produced since the last frame for one request, with their text."""
+    """Tokens produced since the last frame for one request, with their text.
+
+    In a chat reply `text` is the answer only: its reasoning and its tool calls
+    (parsed as each one ends) come apart, in `reasoning` and `tool_calls`.
+    """
 
     id: int
     token_ids: list[int]
     text: str
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
 
 
 class Done(msgspec.Struct, tag="done", array_like=True, kw_only=True):
@@ -217,6 +313,8 @@ class Done(msgspec.Struct, tag="done", array_like=True, kw_only=True):
     stats: Stats
     text: str = ""
     token_ids: list[int] = []
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = []
 
 
 class Failed(msgspec.Struct, tag="err", array_like=True, kw_only=True):

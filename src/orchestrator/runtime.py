@@ -24,7 +24,6 @@ import structlog
 
 from .. import logs
 from ..ipc.protocol import (
-    ChatMessage,
     Done,
     EngineOptions,
     Failed,
@@ -33,7 +32,9 @@ from ..ipc.protocol import (
     SamplingParams,
     Stats,
     Tokens,
+    ToolCall,
 )
+from .chat import CHAT_KEYWORDS, chat_messages, chat_options, missing_capability
 from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
@@ -49,31 +50,47 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 @dataclass(slots=True)
 class Chunk:
-    """Text and token ids produced since the previous chunk of a stream."""
+    """Text and token ids produced since the previous chunk of a stream.
+
+    In a chat reply `text` is the answer; its reasoning and its tool calls (each whole, parsed
+    in the worker) come in `reasoning` and `tool_calls`.
+    """
 
     text: str
     tokens: list[int]
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class Completion:
-    """A finished request: all its text and token ids, with the worker's stats."""
+    """A finished request: all its text and token ids, with the worker's stats.
+
+    A chat reply's reasoning and tool calls are apart from its text; `finish_reason` is
+    "tool_calls" when the reply called tools and stopped by itself.
+    """
 
     text: str
     tokens: list[int]
     stats: Stats
     model: str
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.finish_reason = self.stats.finish_reason
+        reason = self.stats.finish_reason
+        self.finish_reason = "tool_calls" if self.tool_calls and reason == "stop" else reason
 
 
 def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Generate:
-    """Validate a prompt and sampling keywords into a `Generate`; `ValueError` names the field."""
-    unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
+    """Validate a prompt, sampling and chat keywords into a `Generate`; `ValueError` names the field."""
+    unknown = sorted(set(params) - set(SamplingParams.__struct_fields__) - set(CHAT_KEYWORDS))
     if unknown:
-        raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {SamplingParams.__struct_fields__}")
+        raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {SamplingParams.__struct_fields__}"
+                        f" and the chat keywords {CHAT_KEYWORDS}")
+    chat = chat_options(**{k: params[k] for k in CHAT_KEYWORDS if k in params})
+    params = {k: v for k, v in params.items() if k not in CHAT_KEYWORDS}
     if "stop" in params and isinstance(params["stop"], str):
         params = {**params, "stop": [params["stop"]]}
     try:
@@ -84,18 +101,21 @@ def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Genera
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("invalid prompt: empty string")
-        return Generate(id=req_id, params=sp, prompt=prompt)
+        return _raw(Generate(id=req_id, params=sp, prompt=prompt), chat)
     if not isinstance(prompt, Sequence) or not prompt:
         raise ValueError("invalid prompt: expected a non-empty str, list of token ids or list of messages")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(t < 0 for t in prompt):  # type: ignore[operator]
             raise ValueError("invalid prompt: token ids must be >= 0")
-        return Generate(id=req_id, params=sp, prompt_ids=list(prompt))  # type: ignore[arg-type]
-    try:
-        messages = msgspec.convert(list(prompt), list[ChatMessage])
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid prompt messages: {exc}") from None
-    return Generate(id=req_id, params=sp, messages=messages)
+        return _raw(Generate(id=req_id, params=sp, prompt_ids=list(prompt)), chat)  # type: ignore[arg-type]
+    return Generate(id=req_id, params=sp, messages=chat_messages(prompt), chat=chat)
+
+
+def _raw(req: Generate, chat: object) -> Generate:
+    """A text or token-id prompt: no chat template, so nothing for tools or thinking to act on."""
+    if chat is not None:
+        raise ValueError("invalid prompt: tools, tool_choice and think need chat messages")
+    return req
 
 
 class Pool:
@@ -281,12 +301,12 @@ def _choose_transport(transport: str) -> str:
 def _event_to_chunk(event: object, stream: _StreamBase) -> Chunk | None:
     """Apply one worker event to `stream`; return a chunk to yield, or None when done."""
     if type(event) is Tokens:
-        return Chunk(event.text, event.token_ids)
+        return Chunk(event.text, event.token_ids, event.reasoning, event.tool_calls)
     stream._done = True
     if isinstance(event, Done):
         stream.stats = event.stats
-        if event.text or event.token_ids:
-            return Chunk(event.text, list(event.token_ids))
+        if event.text or event.token_ids or event.reasoning or event.tool_calls:
+            return Chunk(event.text, list(event.token_ids), event.reasoning, event.tool_calls)
         return None
     if isinstance(event, Failed):
         raise RequestError(event.error_type, event.message, event.traceback)
@@ -461,7 +481,20 @@ def _collect(chunks: list[Chunk], stream: _StreamBase) -> Completion:
     text = "".join(c.text for c in chunks)
     tokens = [t for c in chunks for t in c.tokens]
     assert stream.stats is not None
-    return Completion(text=text, tokens=tokens, stats=stream.stats, model=stream.model)
+    return Completion(text=text, tokens=tokens, stats=stream.stats, model=stream.model,
+                      reasoning="".join(c.reasoning for c in chunks),
+                      tool_calls=[t for c in chunks for t in c.tool_calls])
+
+
+def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
+    """`ValueError` when `req` asks the model for thinking or tools it does not support."""
+    if req.chat is None or ready is None:
+        return
+    chat = req.chat
+    missing = missing_capability(ready.capabilities, thinking=chat.wants_thinking, tools=bool(chat.tools))
+    if missing is not None:
+        raise ValueError(f"invalid {'think' if missing == 'thinking' else 'tools'}: "
+                         f"model {name!r} does not support {missing}")
 
 
 def _model_map(model: str | None, models: Mapping[str, str] | None) -> dict[str, str]:
@@ -481,7 +514,9 @@ class Runtime:
     `models` maps names to such references to serve several. Sampling keywords
     of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
-    ignore_eos.
+    ignore_eos. Chat keywords (the prompt a list of messages): tools,
+    tool_choice, think (`chat.chat_options`); the reply's reasoning and tool
+    calls come apart from its text (`Completion.reasoning`, `.tool_calls`).
 
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,
@@ -545,6 +580,7 @@ class Runtime:
         (Ollama's keep_alive; 0 unloads it right after this request).
         """
         req = build_request(self._pool.next_id(), prompt, params)
+        check_capabilities(req, self.model_info(model), model or self._pool.default_model)
         return Stream(self._pool, model, req, _keep_alive(keep_alive))
 
     def generate(
@@ -648,6 +684,7 @@ class AsyncRuntime:
     ) -> AsyncStream:
         pool = self.runtime._pool
         req = build_request(pool.next_id(), prompt, params)
+        check_capabilities(req, self.model_info(model), model or pool.default_model)
         return AsyncStream(pool, model, req, _keep_alive(keep_alive))
 
     async def generate(

@@ -43,6 +43,7 @@ import time
 from collections import deque
 
 import mlx.core as mx
+import msgspec
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
@@ -57,6 +58,7 @@ from ..ipc.protocol import (
     Stats,
 )
 from .prefix_cache import PrefixCache
+from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
 from .sequence import (
     Listener,
     Sequence,
@@ -117,6 +119,7 @@ class Engine:
         self.context_length = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.trimmable = _always_trimmable(make_prompt_cache(self.model))
+        self.capabilities = capabilities(self.tokenizer)
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self._batch = self._new_batch()
@@ -124,7 +127,7 @@ class Engine:
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
         #: Uncached system prompts being prefilled now, each by one leading sequence (its uid).
         self._leaders: dict[tuple[int, ...], int] = {}
-        self._heads: dict[tuple, list[int]] = {}  # system messages -> their templated tokens
+        self._heads: dict[tuple, list[int]] = {}  # system messages, chat options -> templated tokens
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
 
@@ -252,7 +255,7 @@ class Engine:
             if bad:
                 raise ValueError(f"prompt_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}")
         elif req.messages is not None:
-            ids = list(self._apply_template(req.messages, add_generation_prompt=True))
+            ids = list(self._apply_template(req.messages, req.chat, add_generation_prompt=True))
         elif req.prompt is not None:
             tok = self.tokenizer
             # Same rule as mlx_lm.stream_generate, so raw prompts tokenize identically.
@@ -269,11 +272,11 @@ class Engine:
             )
         return ids
 
-    def _apply_template(self, messages, **kwargs) -> list[int]:
+    def _apply_template(self, messages, chat, **kwargs) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise NoChatTemplateError(f"model {self.path} has no chat template")
         return self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], **kwargs
+            [template_message(m) for m in messages], **template_kwargs(chat), **kwargs
         )
 
     def _system_end(self, req: Generate, ids: list[int]) -> int:
@@ -282,20 +285,23 @@ class Engine:
         n = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
         if n == 0 or n == len(messages):
             return 0
-        head = self._template_head(tuple((m.role, m.content) for m in messages[:n]))
+        head = self._template_head(messages[:n], req.chat)
         pairs = enumerate(zip(head, ids, strict=False))
         end = next((i for i, (a, b) in pairs if a != b), min(len(head), len(ids)))
         return end if 0 < end < len(ids) - 1 else 0
 
-    def _template_head(self, system: tuple[tuple[str, str], ...]) -> list[int]:
-        """The template's tokens for these system messages and an empty user turn (memoised)."""
-        head = self._heads.get(system)
+    def _template_head(self, system: list[ChatMessage], chat) -> list[int]:
+        """The template's tokens for these system messages and an empty user turn (memoised).
+
+        Keyed by the messages and the chat options too: templates render tools into the system turn.
+        """
+        key = (msgspec.msgpack.encode(system), msgspec.msgpack.encode(chat))
+        head = self._heads.get(key)
         if head is None:
-            messages = [*(ChatMessage(r, c) for r, c in system), ChatMessage("user", "")]
-            head = self._apply_template(messages, add_generation_prompt=False)
+            head = self._apply_template([*system, ChatMessage("user", "")], chat, add_generation_prompt=False)
             if len(self._heads) >= MAX_TEMPLATE_HEADS:
                 self._heads.pop(next(iter(self._heads)))
-            self._heads[system] = head
+            self._heads[key] = head
         return head
 
     def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
@@ -304,10 +310,14 @@ class Engine:
             raise ValueError(
                 f"invalid top_k={p.top_k}: must be <= the model's vocabulary ({self.vocab_size})"
             )
+        check_request(req.chat, self.capabilities, self.path)
         ids = self.prompt_ids(req)
         sampler = make_request_sampler(p)
         check_sampler(sampler, self.vocab_size)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos))
+        # Only a chat reply has reasoning and tool calls to split out.
+        reply = None if req.messages is None else make_splitter(
+            self.tokenizer, self.capabilities, req.chat, ids)
         return Sequence(
             req=req,
             ids=ids,
@@ -316,9 +326,10 @@ class Engine:
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
             processors=make_request_processors(p),
-            text=TextStream(self.tokenizer.detokenizer, p.stop, lambda t, s: listener.token(req.id, t, s)),
+            text=TextStream(self.tokenizer.detokenizer, p.stop, split_emit(reply, listener, req.id)),
             queued_at=queued_at,
             listener=listener,
+            reply=reply,
         )
 
     def _admit(self) -> None:
@@ -408,7 +419,15 @@ class Engine:
         self._unlead(seq)
         if cache is not None and reason != "cancelled":
             self.prefix_cache.insert(tokens, cache, "assistant")
-        seq.listener.done(seq.req.id, seq.stats(reason), seq.text.finish())
+        rest = seq.text.finish()
+        if seq.reply is None:
+            seq.listener.done(seq.req.id, seq.stats(reason), rest)
+            return
+        parts = seq.reply.feed(rest).extend(seq.reply.finish())
+        if parts.reasoning or parts.calls:
+            seq.listener.done(seq.req.id, seq.stats(reason), parts.content, parts.reasoning, parts.calls)
+        else:
+            seq.listener.done(seq.req.id, seq.stats(reason), parts.content)
 
     def _fail_batch(self, exc: Exception) -> None:
         """A step raised: the batch's caches can no longer be trusted; fail its requests, rebuild it."""
@@ -466,10 +485,10 @@ class _Quiet:
     def started(self, req_id: int) -> None:
         pass
 
-    def token(self, req_id: int, token: int, text: str) -> None:
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
         pass
 
-    def done(self, req_id: int, stats: Stats, text: str) -> None:
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
         pass
 
     def failed(self, req_id: int, exc: BaseException) -> None:

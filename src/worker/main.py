@@ -90,8 +90,11 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name="mlxrt-writer", daemon=True)
         self._thread.start()
 
-    def token(self, req_id: int, token: int, text: str) -> None:
-        if not self._try_direct(Tokens(req_id, [token], text)):
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
+        if reasoning or calls:  # a chat reply's reasoning or tool calls (worker/reply.py)
+            if not self._try_direct(Tokens(req_id, [token], text, reasoning, list(calls or ()))):
+                self._enqueue((req_id, token, text, reasoning, calls))
+        elif not self._try_direct(Tokens(req_id, [token], text)):
             self._enqueue((req_id, token, text))
 
     def message(self, msg: object) -> None:
@@ -152,7 +155,7 @@ class Outbox:
         while items:
             item = items.popleft()
             if type(item) is tuple:
-                req_id, token, text = item
+                req_id, token, text = item[:3]
                 frame = open_frames.get(req_id)
                 if frame is not None:
                     frame.token_ids.append(token)
@@ -160,6 +163,9 @@ class Outbox:
                 else:
                     frame = open_frames[req_id] = Tokens(req_id, [token], text)
                     out.append(frame)
+                if len(item) > 3:  # reasoning and tool calls
+                    frame.reasoning += item[3]
+                    frame.tool_calls.extend(item[4] or ())
             else:
                 req_id = getattr(item, "id", None)
                 if req_id is not None:
@@ -240,11 +246,12 @@ class Server:
     def started(self, req_id: int) -> None:
         self._outbox.message(Started(req_id))
 
-    def token(self, req_id: int, token: int, text: str) -> None:
-        self._outbox.token(req_id, token, text)
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
+        self._outbox.token(req_id, token, text, reasoning, calls)
 
-    def done(self, req_id: int, stats: Stats, text: str) -> None:
-        self._outbox.message(Done(id=req_id, stats=stats, text=text))
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
+        self._outbox.message(Done(id=req_id, stats=stats, text=text, reasoning=reasoning,
+                                  tool_calls=list(calls or ())))
 
     def failed(self, req_id: int, exc: BaseException) -> None:
         self._outbox.message(
@@ -349,6 +356,7 @@ def main() -> None:
             mlx_version=mx.__version__,
             mlx_lm_version=mlx_lm.__version__,
             device=str(mx.default_device()),
+            capabilities=engine.capabilities,
         )
     )
     log.info("worker.ready", model=hello.model, load_s=round(engine.load_s, 3))

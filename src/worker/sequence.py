@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from ..ipc.protocol import Generate, SamplingParams, Stats
+from ..ipc.protocol import Generate, SamplingParams, Stats, ToolCall
 
 #: emit(token_id, text_delta) is called once per generated token, on the engine's thread.
 EmitFn = Callable[[int, str], None]
@@ -33,13 +33,19 @@ EmitFn = Callable[[int, str], None]
 
 class Listener(Protocol):
     """Where one request's events go; called on the engine's thread, in this order:
-    started, token..., then done or failed (failed may also come alone, before started)."""
+    started, token..., then done or failed (failed may also come alone, before started).
+
+    A chat reply's reasoning and tool calls (`reply.py`) come as the extra arguments of token and
+    done; they are passed only when there are some.
+    """
 
     def started(self, req_id: int) -> None: ...
 
-    def token(self, req_id: int, token: int, text: str) -> None: ...
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "",
+              calls: list[ToolCall] | None = None) -> None: ...
 
-    def done(self, req_id: int, stats: Stats, text: str) -> None: ...
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "",
+             calls: list[ToolCall] | None = None) -> None: ...
 
     def failed(self, req_id: int, exc: BaseException) -> None: ...
 
@@ -208,6 +214,8 @@ class Sequence:
     checkpoint_kinds: list[str] = field(default_factory=list)
     #: The system prompt this sequence prefills for others that wait for its checkpoint.
     leads: tuple[int, ...] | None = None
+    #: Splits a chat reply into answer, reasoning and tool calls (`reply.py`); None: text as it is.
+    reply: object = None
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated

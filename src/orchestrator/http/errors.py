@@ -115,7 +115,7 @@ def from_decode_error(exc: msgspec.DecodeError, prefix: str = "") -> HttpError:
     return HttpError(400, f"invalid request body: {text}", param=param)
 
 
-_FIELD = re.compile(r"invalid (\w+)")
+_FIELD = re.compile(r"invalid ([\w.\[\]]+?)(?=[=: ]|$)")
 
 
 def from_value_error(exc: ValueError, names: Mapping[str, str]) -> HttpError:

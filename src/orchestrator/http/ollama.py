@@ -16,6 +16,7 @@ unloads) the model at once. An unloaded model reloads on its next request.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -28,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...ipc.protocol import MAX_REPETITION_CONTEXT
+from ...ipc.protocol import MAX_REPETITION_CONTEXT, REASONING_EFFORTS, ToolCall
 from ..errors import MlxrtError
 from .errors import HttpError, from_runtime_error, ollama_body
 from .schemas import (
@@ -38,6 +39,7 @@ from .schemas import (
     OllamaChatRequest,
     OllamaChunk,
     OllamaDetails,
+    OllamaFunctionOut,
     OllamaGenerateChunk,
     OllamaGenerateRequest,
     OllamaMessageOut,
@@ -48,6 +50,7 @@ from .schemas import (
     OllamaShow,
     OllamaShowRequest,
     OllamaTags,
+    OllamaToolCallOut,
     OllamaVersion,
 )
 from .service import UNLIMITED_TOKENS, Generation, Service, iso_now, json_response
@@ -151,10 +154,29 @@ def _unsupported(param: str, what: str) -> HttpError:
 def _refuse_common(req: OllamaGenerateRequest | OllamaChatRequest) -> None:
     if req.format:
         raise _unsupported("format", "structured output")
-    if req.think:
-        raise _unsupported("think", "thinking")
     if req.logprobs or req.top_logprobs:
         raise _unsupported("logprobs", "returning log probabilities")
+
+
+def think_param(req: OllamaGenerateRequest | OllamaChatRequest) -> dict[str, Any]:
+    """The runtime's `think` keyword: true, false, or gpt-oss's "low", "medium", "high"."""
+    think = req.think
+    if think is None:
+        return {}
+    if isinstance(think, str) and think not in REASONING_EFFORTS:
+        raise HttpError(400, f'think: must be true, false, "low", "medium" or "high"; got {think!r}',
+                        param="think")
+    return {"think": think}
+
+
+def refuse_missing(svc: Service, model: str, requested: str, params: dict[str, Any]) -> None:
+    """Ollama's 400s for what the model cannot do: `"name" does not support thinking`, `... tools`."""
+    thinking = params.get("think") not in (None, False)
+    missing = svc.missing_capability(model, thinking=thinking, tools=bool(params.get("tools")))
+    if missing == "thinking":
+        raise HttpError(400, f"{json.dumps(requested)} does not support thinking", param="think")
+    if missing == "tools":
+        raise HttpError(400, f"{requested} does not support tools", param="tools")
 
 
 def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
@@ -175,20 +197,47 @@ def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
     return messages
 
 
-def chat_prompt(req: OllamaChatRequest) -> list[dict[str, str]]:
+def chat_prompt(req: OllamaChatRequest) -> list[dict[str, Any]]:
+    """The messages as the runtime takes them: tool calls, tool results (`tool_name`) and an earlier
+    turn's `thinking` included."""
     _refuse_common(req)
-    if req.tools:
-        raise _unsupported("tools", "tool calling")
     out = []
     for i, m in enumerate(req.messages):
         if m.images:
             raise _unsupported(f"messages[{i}].images", "images")
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            raise _unsupported(f"messages[{i}].tool_calls", "tool calling")
-        if m.role == "tool":
-            raise _unsupported(f"messages[{i}].role", "the tool role")
-        out.append({"role": m.role, "content": m.content})
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_name:
+            msg["tool_name"] = m.tool_name
+        if m.thinking:
+            msg["thinking"] = m.thinking
+        out.append(msg)
     return out
+
+
+def chat_params(req: OllamaChatRequest) -> dict[str, Any]:
+    """The runtime's chat keywords for `req`: tools and think."""
+    params = think_param(req)
+    if req.tools:
+        params["tools"] = req.tools
+    return params
+
+
+def tool_calls_out(calls: list[ToolCall], first: int = 0) -> list[OllamaToolCallOut]:
+    """Calls as Ollama returns them, numbered from `first`: arguments as an object (the worker
+    made them JSON objects)."""
+    return [OllamaToolCallOut(id=c.id, function=OllamaFunctionOut(
+        index=first + i, name=c.name, arguments=msgspec.json.decode(c.arguments)))
+        for i, c in enumerate(calls)]
+
+
+def _set_message(message: OllamaMessageOut, text: str, reasoning: str, calls: list[ToolCall],
+                 *, think: bool, first_call: int = 0) -> None:
+    """One chunk's message: thinking left out with ``think: false``, calls only when there are some."""
+    message.content = text
+    message.thinking = reasoning if reasoning and think else msgspec.UNSET
+    message.tool_calls = tool_calls_out(calls, first_call) if calls else msgspec.UNSET
 
 
 def _timings(chunk: OllamaChunk, gen: Generation) -> None:
@@ -223,6 +272,11 @@ class OllamaApi:
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = generate_prompt(req)
         params = ollama_params(req.options)
+        chat = think_param(req)
+        refuse_missing(self.svc, model, req.model, chat)
+        if not req.raw:  # a raw prompt has no template to think through
+            params.update(chat)
+        think = req.think is not False
         if not req.prompt:
             return await self._load_or_unload(model, keep_alive, OllamaGenerateChunk(
                 model=req.model, created_at=iso_now(), response=""))
@@ -230,9 +284,12 @@ class OllamaApi:
         gen = await self.svc.start(request, "/api/generate", prompt, model, params, OPTION_NAMES, t0)
         chunk = OllamaGenerateChunk(model=req.model, created_at="", response="")
         if req.stream:
-            return EventStream(generate_events(gen, chunk), headers=NDJSON_HEADERS, on_close=gen.on_close)
+            return EventStream(generate_events(gen, chunk, think=think), headers=NDJSON_HEADERS,
+                               on_close=gen.on_close)
         text, _ = await gen.collect(request.receive)
         chunk.response = text
+        if gen.reasoning and think:
+            chunk.thinking = gen.reasoning
         chunk.created_at = iso_now()
         _timings(chunk, gen)
         return json_response(chunk)
@@ -244,6 +301,9 @@ class OllamaApi:
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = chat_prompt(req)
         params = ollama_params(req.options)
+        params.update(chat_params(req))
+        refuse_missing(self.svc, model, req.model, params)
+        think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself
         if not prompt:
             message = OllamaMessageOut(content="")
             return await self._load_or_unload(model, keep_alive, OllamaChatChunk(
@@ -252,9 +312,10 @@ class OllamaApi:
         gen = await self.svc.start(request, "/api/chat", prompt, model, params, OPTION_NAMES, t0)
         chunk = OllamaChatChunk(model=req.model, created_at="", message=OllamaMessageOut(content=""))
         if req.stream:
-            return EventStream(chat_events(gen, chunk), headers=NDJSON_HEADERS, on_close=gen.on_close)
+            return EventStream(chat_events(gen, chunk, think=think), headers=NDJSON_HEADERS,
+                               on_close=gen.on_close)
         text, _ = await gen.collect(request.receive)
-        chunk.message.content = text
+        _set_message(chunk.message, text, gen.reasoning, gen.tool_calls, think=think)
         chunk.created_at = iso_now()
         _timings(chunk, gen)
         return json_response(chunk)
@@ -294,8 +355,12 @@ class OllamaApi:
             info[f"{facts.family or 'model'}.context_length"] = facts.context_length
         if req.verbose:
             info.update({f"config.{k}": v for k, v in facts.config.items()})
+        caps = self.svc.capabilities(name)
+        capabilities = ["completion"]
+        if caps is not None:
+            capabilities += [c for c, on in (("tools", caps.tools), ("thinking", caps.thinking)) if on]
         return json_response(OllamaShow(details=self._details(name), model_info=info,
-                                        capabilities=["completion"], modified_at=facts.modified_at))
+                                        capabilities=capabilities, modified_at=facts.modified_at))
 
     async def version(self, request: Request) -> Response:
         return json_response(OllamaVersion(version("mlxrt")))
@@ -322,34 +387,39 @@ def _keep_alive_param(params: dict[str, Any], keep_alive: float | None) -> None:
 
 
 
-async def generate_events(gen: Generation, chunk: OllamaGenerateChunk) -> AsyncIterator[bytes]:
+async def generate_events(gen: Generation, chunk: OllamaGenerateChunk, *, think: bool = True
+                          ) -> AsyncIterator[bytes]:
     """NDJSON lines of a streamed /api/generate; the same Struct is re-encoded per chunk."""
     try:
         async for c in gen.chunks():
             chunk.response = c.text
+            chunk.thinking = c.reasoning if c.reasoning and think else msgspec.UNSET
             chunk.created_at = iso_now()
             yield _line(chunk)
     except MlxrtError as exc:
         yield _error_line(exc)
         return
     chunk.response = ""
+    chunk.thinking = msgspec.UNSET
     chunk.created_at = iso_now()
     _timings(chunk, gen)
     yield _line(chunk)
 
 
-async def chat_events(gen: Generation, chunk: OllamaChatChunk) -> AsyncIterator[bytes]:
-    """NDJSON lines of a streamed /api/chat."""
+async def chat_events(gen: Generation, chunk: OllamaChatChunk, *, think: bool = True) -> AsyncIterator[bytes]:
+    """NDJSON lines of a streamed /api/chat: content and thinking deltas, each tool call whole."""
     message = chunk.message
+    calls = 0
     try:
         async for c in gen.chunks():
-            message.content = c.text
+            _set_message(message, c.text, c.reasoning, c.tool_calls, think=think, first_call=calls)
+            calls += len(c.tool_calls)
             chunk.created_at = iso_now()
             yield _line(chunk)
     except MlxrtError as exc:
         yield _error_line(exc)
         return
-    message.content = ""
+    _set_message(message, "", "", [], think=think)
     chunk.created_at = iso_now()
     _timings(chunk, gen)
     yield _line(chunk)

@@ -35,10 +35,13 @@ from .schemas import (
     CompletionChoice,
     CompletionRequest,
     Delta,
+    FunctionOut,
     ModelCard,
     ModelList,
     OpenAISampling,
     PromptTokensDetails,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
 from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
@@ -94,8 +97,8 @@ def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: in
     return params
 
 
-def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as the worker's chat template takes them (text parts only)."""
+def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the worker's chat template takes them (text parts only), tool turns included."""
     if req.logprobs or req.top_logprobs:
         raise _unsupported("logprobs", "returning log probabilities")
     if req.response_format is not None and req.response_format.type != "text":
@@ -103,15 +106,58 @@ def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
-        if content is None:
+        if content is None and not m.tool_calls:  # an assistant turn of only calls has none
             raise HttpError(400, f"messages[{i}].content: required", param=f"messages[{i}].content")
-        if not isinstance(content, str):
+        if isinstance(content, list):
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     raise _unsupported(f"messages[{i}].content[{j}]", f"a content part of type {part.type!r}")
             content = "\n".join(p.text for p in content)  # type: ignore[misc]
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.role == "tool" and m.name:  # on other roles `name` is a participant's, not a function's
+            msg["name"] = m.name
+        if m.reasoning_content or m.reasoning:
+            msg["reasoning_content"] = m.reasoning_content or m.reasoning
+        out.append(msg)
     return out
+
+
+def chat_params(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The runtime's chat keywords (tools, tool_choice, think) for `req`; none when it sets none."""
+    params: dict[str, Any] = {}
+    if req.tools is not None:
+        params["tools"] = [msgspec.to_builtins(t) for t in req.tools]
+    if req.tool_choice is not None:
+        params["tool_choice"] = msgspec.to_builtins(req.tool_choice)
+    kwargs = req.chat_template_kwargs
+    effort = req.reasoning_effort or (kwargs.reasoning_effort if kwargs else None)
+    enable = kwargs.enable_thinking if kwargs else None
+    think = effort if effort is not None and enable is not False else enable
+    if think is not None:
+        params["think"] = think
+    return params
+
+
+#: The runtime's chat keywords, as this API names them in errors.
+CHAT_NAMES = {"think": "reasoning_effort"}
+
+
+def _missing(svc: Service, model: str, params: dict[str, Any]) -> HttpError | None:
+    """A 400 when the request asks the model for thinking or tools it does not support."""
+    thinking = params.get("think") not in (None, False)
+    tools = bool(params.get("tools")) and params.get("tool_choice") != "none"
+    missing = svc.missing_capability(model, thinking=thinking, tools=tools)
+    if missing is None:
+        return None
+    param = "tools" if missing == "tools" else "reasoning_effort"
+    why = " (mlx-lm has no tool-call parser for its format)" if missing == "tools" else ""
+    return HttpError(400, f"{param}: model {model!r} does not support {missing}{why}", param=param,
+                     code="unsupported_parameter")
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -163,8 +209,12 @@ class OpenAIApi:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, UNLIMITED_TOKENS)
         names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
-                 else "max_tokens"}
+                 else "max_tokens", **CHAT_NAMES}
         prompt = chat_prompt(req)
+        params.update(chat_params(req))
+        refused = _missing(self.svc, model, params)
+        if refused is not None:
+            raise refused
         gen = await self.svc.start(request, "/v1/chat/completions", prompt, model, params, names, t0)
         rid, created = new_id("chatcmpl"), int(time.time())
         if req.stream:
@@ -172,7 +222,7 @@ class OpenAIApi:
             events = chat_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids)
             return EventStream(events, headers=SSE_HEADERS, on_close=gen.on_close)
         text, ids = await gen.collect(request.receive)
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)
+        choice = ChatChoice(message=assistant_message(text, gen), finish_reason=chat_finish_reason(gen))
         if req.return_token_ids:
             choice.token_ids = ids
         return json_response(ChatCompletion(id=rid, created=created, model=req.model, choices=[choice],
@@ -196,6 +246,23 @@ class OpenAIApi:
         return json_response(Completion(id=rid, created=created, model=req.model, choices=[choice],
                                         usage=usage_of(gen)))
 
+
+
+def assistant_message(text: str, gen: Generation) -> AssistantMessage:
+    """The reply: its text (null when it is only calls, as OpenAI sends it), reasoning and calls."""
+    msg = AssistantMessage(content=text if text or not gen.tool_calls else None)
+    if gen.reasoning:
+        msg.reasoning_content = msg.reasoning = gen.reasoning
+    if gen.tool_calls:
+        msg.tool_calls = [ToolCallOut(id=c.id, function=FunctionOut(name=c.name, arguments=c.arguments))
+                          for c in gen.tool_calls]
+    return msg
+
+
+def chat_finish_reason(gen: Generation, calls: int | None = None) -> str:
+    """OpenAI's "tool_calls" when the reply called tools and stopped by itself."""
+    made = len(gen.tool_calls) if calls is None else calls
+    return "tool_calls" if made and gen.finish_reason == "stop" else gen.finish_reason
 
 
 def _sse(obj: object) -> bytes:
@@ -226,18 +293,28 @@ async def completion_events(
 async def chat_events(
     gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool
 ) -> AsyncIterator[bytes]:
-    """SSE events of a streamed /v1/chat/completions: role first, then content deltas."""
+    """SSE events of a streamed /v1/chat/completions: role first, then content, reasoning and
+    tool-call deltas (each call whole, with its index, id, name and arguments)."""
     delta = Delta(role="assistant", content="")
     choice = ChatChunkChoice(delta=delta)
     chunk = ChatCompletionChunk(id=rid, created=created, model=gen.model, choices=[choice],
                                 usage=None if usage else msgspec.UNSET)
+    calls = 0
     try:
         if token_ids:
             choice.token_ids = []
         yield _sse(chunk)
         delta.role = None
         async for c in gen.chunks():
-            delta.content = c.text
+            delta.content = c.text if c.text or not (c.reasoning or c.tool_calls) else None
+            delta.reasoning_content = delta.reasoning = c.reasoning or None
+            delta.tool_calls = None
+            if c.tool_calls:
+                delta.tool_calls = [
+                    ToolCallDelta(index=calls + k, id=t.id,
+                                  function=FunctionOut(name=t.name, arguments=t.arguments))
+                    for k, t in enumerate(c.tool_calls)]
+                calls += len(c.tool_calls)
             if token_ids:
                 choice.token_ids = c.tokens
             yield _sse(chunk)
@@ -246,16 +323,18 @@ async def chat_events(
         return
     finally:
         gen.stream.close()  # also when the role chunk was the last thing sent
-    delta.content = None
-    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids):
+    delta.content = delta.reasoning_content = delta.reasoning = None
+    delta.tool_calls = None
+    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids,
+                               reason=chat_finish_reason(gen, calls)):
         yield event
 
 
 def _final_events(
-    gen: Generation, chunk: Any, choice: Any, *, usage: bool, token_ids: bool
+    gen: Generation, chunk: Any, choice: Any, *, usage: bool, token_ids: bool, reason: str | None = None
 ) -> Iterator[bytes]:
     """A stream's end: the chunk with the finish reason, the usage chunk if asked, [DONE]."""
-    choice.finish_reason = gen.finish_reason
+    choice.finish_reason = reason or gen.finish_reason
     if token_ids:
         choice.token_ids = []
     yield _sse(chunk)

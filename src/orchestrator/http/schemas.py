@@ -40,10 +40,62 @@ class ContentPart(Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(Strict, kw_only=True, omit_defaults=True):
+    name: str = ""
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; an object is taken too
+
+
+class MessageToolCall(Strict, kw_only=True):
+    """A call in an earlier assistant turn, as the API returned it."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: Int | None = None  # a streamed call's, when a client sends it back as it came
+
+
 class OpenAIMessage(Strict, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    #: An earlier turn's reasoning, as this server returned it (the template decides whether it is kept).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # What the openai client sends back with an assistant message it received: only nulls are served.
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+
+
+class FunctionDef(Strict, kw_only=True, omit_defaults=True):
+    name: str = ""  # checked with the tool choice (`ChatOptions.validate`), so the message names the field
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(Strict, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(Strict, kw_only=True):
+    name: str = ""
+
+
+class NamedToolChoice(Strict, kw_only=True):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+class ChatTemplateKwargs(Strict, kw_only=True):
+    """The chat template's switches a request may set (vLLM's and mlx_lm.server's field)."""
+
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
 
 
 class ResponseFormat(Struct, kw_only=True):
@@ -85,6 +137,11 @@ class ChatCompletionRequest(OpenAISampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: gpt-oss's "low", "medium", "high" (thinking on); the template's `reasoning_effort`.
+    reasoning_effort: str | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class CompletionRequest(OpenAISampling, kw_only=True):
@@ -127,9 +184,33 @@ class Completion(Struct, kw_only=True):
     usage: Usage | None | UnsetType = UNSET
 
 
+class FunctionOut(Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionOut
+
+
+class ToolCallDelta(Struct, kw_only=True):
+    """A whole call in one streamed delta, in the form the openai client accumulates by `index`."""
+
+    index: int
+    id: str
+    type: str = "function"
+    function: FunctionOut
+
+
 class AssistantMessage(Struct, kw_only=True):
     role: str = "assistant"
-    content: str
+    content: str | None
+    #: The reply's reasoning: vLLM's and DeepSeek's field, and `reasoning`, which newer clients read.
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
 
 class ChatChoice(Struct, kw_only=True):
@@ -152,6 +233,9 @@ class ChatCompletion(Struct, kw_only=True):
 class Delta(Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct, kw_only=True):
@@ -282,11 +366,25 @@ class OllamaChunk(Struct, kw_only=True):
 
 class OllamaGenerateChunk(OllamaChunk, kw_only=True):
     response: str
+    thinking: str | UnsetType = UNSET
+
+
+class OllamaFunctionOut(Struct, kw_only=True):
+    index: int
+    name: str
+    arguments: dict[str, Any]
+
+
+class OllamaToolCallOut(Struct, kw_only=True):
+    id: str
+    function: OllamaFunctionOut
 
 
 class OllamaMessageOut(Struct, kw_only=True):
     role: str = "assistant"
     content: str
+    thinking: str | UnsetType = UNSET
+    tool_calls: list[OllamaToolCallOut] | UnsetType = UNSET
 
 
 class OllamaChatChunk(OllamaChunk, kw_only=True):

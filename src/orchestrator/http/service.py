@@ -22,6 +22,8 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ...ipc.protocol import Capabilities, ToolCall
+from ..chat import missing_capability
 from ..errors import MlxrtError
 from ..runtime import AsyncRuntime, AsyncStream, Chunk
 from .body import decode, read_body
@@ -93,7 +95,8 @@ class Generation:
     `finish(reason)` records it once: metrics and one log line.
     """
 
-    __slots__ = ("svc", "endpoint", "model", "stream", "first", "t0", "ttft_s", "tokens", "_finished")
+    __slots__ = ("svc", "endpoint", "model", "stream", "first", "t0", "ttft_s", "tokens", "_finished",
+                 "reasoning", "tool_calls")
 
     def __init__(self, svc: Service, endpoint: str, model: str, stream: AsyncStream, t0: float) -> None:
         self.svc = svc
@@ -105,6 +108,9 @@ class Generation:
         self.ttft_s = 0.0
         self.tokens = 0
         self._finished = False
+        #: A chat reply's reasoning and tool calls, once `collect` has run.
+        self.reasoning = ""
+        self.tool_calls: list[ToolCall] = []
 
     @property
     def prompt_tokens(self) -> int:
@@ -115,20 +121,28 @@ class Generation:
         return self.stream.finish_reason or "stop"
 
     async def collect(self, receive) -> tuple[str, list[int]]:
-        """The whole completion (text, ids); the generation stops if the client disconnects."""
+        """The whole completion (text, ids; `reasoning` and `tool_calls` set aside); the generation
+        stops if the client disconnects."""
         texts: list[str] = []
         ids: list[int] = []
+        thoughts: list[str] = []
+
+        def add(c: Chunk) -> None:
+            texts.append(c.text)
+            ids.extend(c.tokens)
+            thoughts.append(c.reasoning)
+            self.tool_calls.extend(c.tool_calls)
+
         if self.first is not None:
-            texts.append(self.first.text)
-            ids.extend(self.first.tokens)
+            add(self.first)
 
         async def drain() -> None:
             async for c in self.stream:
-                texts.append(c.text)
-                ids.extend(c.tokens)
+                add(c)
 
         await self.unless_gone(receive, drain())
         self.tokens = len(ids)
+        self.reasoning = "".join(thoughts)
         self.finish(self.finish_reason)
         return "".join(texts), ids
 
@@ -214,6 +228,16 @@ class Service:
         """
         info = self.rt.model_info(name)
         return info.vocab_size if info is not None and info.vocab_size else self.facts(name).vocab_size
+
+    def capabilities(self, name: str) -> Capabilities | None:
+        """What the model's workers reported they support; None until one has been ready."""
+        info = self.rt.model_info(name)
+        return info.capabilities if info is not None else None
+
+    def missing_capability(self, name: str, *, thinking: bool, tools: bool) -> str | None:
+        """"thinking" or "tools" when the request needs what the model lacks (unknown: None, the
+        worker checks)."""
+        return missing_capability(self.capabilities(name), thinking=thinking, tools=tools)
 
     def model(self, requested: str, *, ollama: bool = False) -> str:
         """The served model called `requested`, or served from the path `requested` (Ollama's

@@ -1,0 +1,150 @@
+"""Chat requests checked at the edge: tools, tool choice, thinking, and tool turns in the messages.
+
+Both HTTP APIs and the Python API come through here (`runtime.build_request`),
+so a tool without a name or a tool choice naming an unknown function is one
+`ValueError` naming the field, in every API, before anything reaches a worker.
+What the model can do (`Capabilities`, from the worker's `Ready`) is checked
+by `missing_capability`; the worker refuses too, for requests sent before
+any worker of the model was ready.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from ..ipc.protocol import REASONING_EFFORTS, Capabilities, ChatMessage, ChatOptions, ToolCall
+
+#: Keyword arguments of `Runtime.generate`/`stream` that shape a chat, beside the sampling ones.
+CHAT_KEYWORDS = ("tools", "tool_choice", "think")
+Think = bool | str | None
+
+
+def chat_options(tools: Any = None, tool_choice: Any = None, think: Think = None) -> ChatOptions | None:
+    """Validated `ChatOptions`, or None when the request asks for nothing beyond the template's defaults.
+
+    `tools`: OpenAI-shaped function tools. `tool_choice`: "auto", "none" (the tools are dropped),
+    "required", a function name as ``{"type": "function", "function": {"name": ...}}``, or None.
+    `think`: True, False (the template's ``enable_thinking=False``), "low"/"medium"/"high"
+    (its ``reasoning_effort``, thinking on), or None (the template's default).
+    """
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"invalid tools={tools!r}: a list of function tools")
+    tools = [_builtins(t) for t in tools or []]
+    choice, name = _tool_choice(tool_choice)
+    if choice == "none":
+        tools, choice = [], "auto"
+    enable, effort = _think(think)
+    opts = ChatOptions(tools=tools, tool_choice=choice, tool_name=name, enable_thinking=enable,
+                       reasoning_effort=effort).validate()
+    return None if opts == ChatOptions() else opts
+
+
+def _builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj) if isinstance(obj, msgspec.Struct) else obj
+
+
+def _tool_choice(value: Any) -> tuple[str, str]:
+    if value is None:
+        return "auto", ""
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise ValueError(f'invalid tool_choice={value!r}: "none", "auto", "required" or a function')
+        return value, ""
+    value = _builtins(value)
+    fn = value.get("function") if isinstance(value, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"invalid tool_choice.function.name={name!r}: required, the function to call")
+    return "function", name
+
+
+def _think(think: Think) -> tuple[bool | None, str | None]:
+    if think is None or isinstance(think, bool):
+        return think, None
+    if think in REASONING_EFFORTS:
+        return True, str(think)
+    raise ValueError(f"invalid think={think!r}: true, false, or one of {list(REASONING_EFFORTS)}")
+
+
+def missing_capability(caps: Capabilities | None, *, thinking: bool, tools: bool) -> str | None:
+    """"thinking" or "tools" when a request needs what the model cannot do; None if it can (or
+    `caps` is unknown: the worker checks then)."""
+    if caps is None:
+        return None
+    if thinking and not caps.thinking:
+        return "thinking"
+    if tools and not caps.tools:
+        return "tools"
+    return None
+
+
+def chat_messages(messages: Sequence[Any]) -> list[ChatMessage]:
+    """Messages as dicts (OpenAI's or Ollama's shape) or `ChatMessage`s, as `ChatMessage`s.
+
+    Assistant turns may carry ``tool_calls`` (arguments as JSON text or an object) and their
+    reasoning (``reasoning_content``, ``reasoning`` or Ollama's ``thinking``); tool results
+    ``tool_call_id`` and ``name`` (Ollama: ``tool_name``), the name found from the call's id
+    when left out.
+    """
+    out: list[ChatMessage] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        if isinstance(m, ChatMessage):
+            out.append(m)
+            continue
+        if not isinstance(m, Mapping):
+            raise ValueError(f"invalid messages[{i}]: expected an object with role and content")
+        msg = _message(i, m)
+        for c in msg.tool_calls:
+            if c.id:
+                names[c.id] = c.name
+        if msg.role == "tool" and msg.name is None and msg.tool_call_id in names:
+            msg.name = names[msg.tool_call_id]
+        out.append(msg)
+    return out
+
+
+def _message(i: int, m: Mapping) -> ChatMessage:
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"invalid messages[{i}].role={role!r}: required, a string")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError(f"invalid messages[{i}].content: expected a string")
+    calls = [_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m.get("tool_calls") or [])]
+    reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking") if m.get(k)), None)
+    name = m.get("name") or m.get("tool_name")
+    return ChatMessage(role=role, content=content, tool_calls=calls,
+                       reasoning=_text(f"messages[{i}].reasoning", reasoning),
+                       tool_call_id=_text(f"messages[{i}].tool_call_id", m.get("tool_call_id")),
+                       name=_text(f"messages[{i}].name", name))
+
+
+def _text(field: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"invalid {field}={value!r}: expected a string")
+
+
+def _call(field: str, call: Any) -> ToolCall:
+    if isinstance(call, ToolCall):
+        return call
+    call = _builtins(call)
+    if not isinstance(call, Mapping):
+        raise ValueError(f"invalid {field}: expected an object")
+    fn = call.get("function", call)  # OpenAI and Ollama nest the function; a flat call is taken too
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"invalid {field}.function.name={name!r}: required, a non-empty string")
+    args = fn.get("arguments")
+    if args is None:
+        args = "{}"
+    elif not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    call_id = call.get("id")
+    return ToolCall(name=name, arguments=args, id=call_id if isinstance(call_id, str) else "")

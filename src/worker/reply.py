@@ -1,0 +1,415 @@
+"""A chat reply split as it streams: the answer, the reasoning and the tool calls.
+
+The engine's `TextStream` emits a reply's text deltas; a `ReplySplitter`
+turns each into `Parts`. Two formats, both matched on decoded text (a marker
+split over two deltas is held back until it is whole):
+
+- tag markup, mlx-lm's own: ``<think>``…``</think>`` around the reasoning
+  (Qwen3 and others, `TokenizerWrapper.has_thinking`; a template that opens
+  ``<think>`` in the prompt starts the reply in the reasoning, as
+  `mlx_lm.server` detects) and ``<tool_call>``…``</tool_call>`` around each
+  call, read by the family's mlx-lm tool parser. The state machine is
+  mlx-lm's `TextStateMachine`, as in its server.
+- gpt-oss's harmony format: messages ``<|channel|>NAME<|message|>BODY<|end|>``,
+  the analysis channel being the reasoning, final the answer, and a
+  commentary message addressed ``to=functions.NAME`` a call whose body is its
+  JSON arguments (it ends with ``<|call|>``, an end-of-turn token, so at the
+  end of the reply). mlx-lm 0.32 has no harmony parser, and `openai-harmony`
+  parses token ids of its own o200k encoding (not a checkpoint's tokenizer,
+  nor the synthetic one), so this is a small text-level parser.
+
+A call that does not parse (cut off by ``max_tokens``, not JSON) is kept as
+answer text, markup included, rather than dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.generate import TextStateMachine
+
+from ..ipc.protocol import Capabilities, ChatMessage, ChatOptions, ToolCall
+
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+#: A harmony header longer than this is not one: the model is not writing harmony.
+MAX_HARMONY_HEADER = 160
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+@dataclass
+class Parts:
+    """What one text delta (or the end of the reply) adds to the answer, the reasoning and the calls."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, kind: str, text: str) -> None:
+        if kind == "reasoning":
+            self.reasoning += text
+        else:
+            self.content += text
+
+    def extend(self, other: Parts) -> Parts:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.calls.extend(other.calls)
+        return self
+
+
+def is_harmony(tokenizer) -> bool:
+    """gpt-oss's harmony format: its tokens in the vocabulary and its channels in the chat template."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    vocab = tokenizer.get_vocab()
+    return all(t in vocab for t in HARMONY_TOKENS) and "<|channel|>" in template
+
+
+def capabilities(tokenizer) -> Capabilities:
+    """What the orchestrator may ask of this model: thinking, its off switch, tool calls."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if is_harmony(tokenizer):
+        thinking, tools = "harmony", "harmony"
+    else:
+        thinking = "think" if tokenizer.has_thinking else ""
+        parser = tokenizer.tool_parser
+        tools = parser.__module__.rsplit(".", 1)[-1] if tokenizer.has_tool_calling and parser else ""
+    return Capabilities(
+        chat_template=bool(tokenizer.has_chat_template),
+        thinking=thinking,
+        thinking_switch="enable_thinking" in template,
+        tools=tools,
+    )
+
+
+def template_kwargs(chat: ChatOptions | None) -> dict[str, Any]:
+    """The chat template's keyword arguments: only what was asked, so defaults stay the template's."""
+    if chat is None:
+        return {}
+    kw: dict[str, Any] = {}
+    if chat.tools:
+        kw["tools"] = chat.tools
+    if chat.enable_thinking is not None:
+        kw["enable_thinking"] = chat.enable_thinking
+    if chat.reasoning_effort is not None:
+        kw["reasoning_effort"] = chat.reasoning_effort
+    return kw
+
+
+def check_request(chat: ChatOptions | None, caps: Capabilities, model: str) -> None:
+    """Refuse what the model cannot do (the orchestrator checks first when it knows the capabilities)."""
+    if chat is None:
+        return
+    if chat.wants_thinking and not caps.thinking:
+        raise ValueError(f"model {model} does not support thinking")
+    if chat.tools and not caps.tools:
+        raise ValueError(f"model {model} does not support tools (mlx-lm has no tool-call parser for it)")
+
+
+def make_splitter(tokenizer, caps: Capabilities, chat: ChatOptions | None, prompt: list[int]):
+    """The splitter for a chat reply to `prompt`, or None when there is nothing to split."""
+    tools = chat.tools if chat is not None else []
+    if caps.thinking == "harmony":
+        return HarmonySplitter(parse_tools=bool(tools), prompt_tail=tokenizer.decode(prompt[-32:]))
+    if not caps.thinking and not (tools and caps.tools):
+        return None
+    think = (tokenizer.think_start, tokenizer.think_end) if caps.thinking else None
+    call = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tools and caps.tools else None
+    initial = "normal"
+    if think is not None and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        initial = "reasoning"  # the template opened <think> in the prompt (Qwen3.5, QwQ, ...)
+    return TagSplitter(think=think, call=call, parser=tokenizer.tool_parser, tools=tools, initial=initial)
+
+
+def template_message(m: ChatMessage) -> dict:
+    """A message as chat templates read it: OpenAI's shape, arguments as objects (as mlx_lm.server
+    passes them), reasoning as both `reasoning_content` (Qwen) and `thinking` (gpt-oss)."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+            for c in m.tool_calls
+        ]
+    if m.reasoning is not None:
+        out["reasoning_content"] = out["thinking"] = m.reasoning
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def split_emit(reply, listener, req_id: int):
+    """TextStream's emit: text as it is, or split into answer, reasoning and calls by `reply`."""
+    if reply is None:
+        return lambda token, text: listener.token(req_id, token, text)
+
+    def emit(token: int, text: str) -> None:
+        parts = reply.feed(text)
+        if parts.reasoning or parts.calls:
+            listener.token(req_id, token, parts.content, parts.reasoning, parts.calls)
+        else:
+            listener.token(req_id, token, parts.content)
+
+    return emit
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def make_call(name: Any, arguments: Any, call_id: Any = None) -> ToolCall | None:
+    """A `ToolCall` with JSON-object arguments, or None when the parsed call is not one."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False),
+                    id=call_id if isinstance(call_id, str) and call_id else new_call_id())
+
+
+class _Edges:
+    """Whitespace at the edges of a part (the newlines a template puts around its tags) is dropped;
+    inside a part it is kept. Trailing whitespace waits for the next text to know which it is."""
+
+    def __init__(self) -> None:
+        self.fresh = False
+        self.pending = ""
+
+    def begin(self) -> None:
+        """A new part begins: what the last one held back was its end."""
+        self.fresh = True
+        self.pending = ""
+
+    def text(self, text: str) -> str:
+        if self.fresh:
+            text = text.lstrip()
+            self.fresh = not text
+        body = text.rstrip()
+        if not body:
+            self.pending += text
+            return ""
+        out, self.pending = self.pending + body, text[len(body):]
+        return out
+
+    def flush(self) -> str:
+        """The reply ended: trailing whitespace of its last part is kept."""
+        out, self.pending = self.pending, ""
+        return out
+
+
+class TagSplitter:
+    """``<think>`` and ``<tool_call>`` markup, through mlx-lm's `TextStateMachine`.
+
+    The transitions are `mlx_lm.generate.make_text_state_machine`'s (a call may also start
+    inside the reasoning; a parser without an end marker calls to the end of the reply), with
+    the call markup left out when the request has no tools, so it stays answer text.
+    """
+
+    def __init__(self, *, think: tuple[str, str] | None, call: tuple[str, str | None] | None, parser,
+                 tools: list, initial: str = "normal") -> None:
+        transitions: dict[str, list[tuple[str, str]]] = {}
+        if think is not None:
+            transitions["normal"] = [(think[0], "reasoning")]
+            transitions["reasoning"] = [(think[1], "normal")]
+        if call is not None:
+            transitions.setdefault("normal", []).append((call[0], "tool"))
+            if think is not None:
+                transitions["reasoning"].append((call[0], "tool"))
+            transitions["tool"] = [(call[1], "normal")] if call[1] else []
+        self._call_markup = call
+        self._parser = parser
+        self._tools = tools
+        self._sm = TextStateMachine(transitions)
+        self._state = self._sm.make_state(initial)
+        self._last = initial
+        self._tool_text = ""
+        self._edges = _Edges()
+
+    def feed(self, text: str) -> Parts:
+        self._state, segments = TextStateMachine.split(self._state, text)
+        return self._collect(segments)
+
+    def finish(self) -> Parts:
+        self._state, rest, state = TextStateMachine.flush(self._state)
+        parts = self._collect([(state, rest)])
+        if self._last == "tool":  # cut off inside a call
+            parts.extend(self._end_call(closed=False))
+        else:
+            parts.add(self._last, self._edges.flush())
+        return parts
+
+    def _collect(self, segments: list[tuple[str | None, str]]) -> Parts:
+        parts = Parts()
+        for state, text in segments:
+            state = state or "normal"
+            if state != self._last:
+                if self._last == "tool":
+                    parts.extend(self._end_call(closed=True))
+                self._last = state
+                self._edges.begin()
+            if state == "tool":
+                self._tool_text += text
+            else:
+                parts.add(state, self._edges.text(text))
+        return parts
+
+    def _end_call(self, *, closed: bool) -> Parts:
+        text, self._tool_text = self._tool_text, ""
+        parts = Parts()
+        try:
+            parsed = self._parser(text, self._tools)
+        except Exception:  # any parser's failure: the text is kept as the answer
+            parsed = None
+        found = parsed if isinstance(parsed, list) else [parsed]
+        calls = [make_call(c.get("name"), c.get("arguments", {}), c.get("id"))
+                 if isinstance(c, dict) else None for c in found]
+        if parsed is not None and calls and all(c is not None for c in calls):
+            parts.calls.extend(c for c in calls if c is not None)
+        else:
+            start, end = self._call_markup or ("", "")
+            parts.content = start + text + (end or "" if closed else "")
+        return parts
+
+
+class HarmonySplitter:
+    """gpt-oss's harmony messages: analysis -> reasoning, final -> answer, ``to=functions.X`` -> a call.
+
+    Text that is not harmony (no header where one must be) is all answer from there on.
+    """
+
+    def __init__(self, *, parse_tools: bool, prompt_tail: str = "") -> None:
+        self._sm = TextStateMachine({
+            "between": [("<|start|>", "header"), ("<|channel|>", "channel")],
+            "header": [("<|channel|>", "channel"), ("<|message|>", "body")],
+            "channel": [("<|message|>", "body"), ("<|constrain|>", "channel")],
+            "body": [("<|end|>", "between"), ("<|call|>", "between"), ("<|return|>", "between")],
+        })
+        self._parse_tools = parse_tools
+        self._header = ""  # role and recipient, before the channel
+        self._channel = ""  # channel name, recipient, content type
+        self._from_prompt = self._channel_from_prompt = 0  # leading characters the prompt wrote
+        self._kind = "content"
+        self._recipient = ""
+        self._body = ""
+        self._plain = False
+        self._edges = _Edges()
+        # The prompt ends inside the reply's first header ("<|start|>assistant"): begin there.
+        _, start, header = prompt_tail.rpartition("<|start|>")
+        self._last = "header" if start and "<|message|>" not in header else "between"
+        if self._last == "header":
+            header, opened, self._channel = header.partition("<|channel|>")
+            self._last = "channel" if opened else "header"
+            self._header = header.split("<|constrain|>")[0]
+            self._from_prompt = len(self._header)
+            self._channel_from_prompt = len(self._channel)
+        self._state = self._sm.make_state(self._last)
+
+    def feed(self, text: str) -> Parts:
+        if self._plain:
+            return Parts(content=text)
+        self._state, segments = TextStateMachine.split(self._state, text)
+        return self._collect(segments)
+
+    def finish(self) -> Parts:
+        if self._plain:
+            return Parts()
+        self._state, rest, state = TextStateMachine.flush(self._state)
+        parts = self._collect([(state, rest)])
+        if self._plain:
+            return parts
+        if self._last == "body":  # <|call|> and <|return|> end the turn: they never reach the text
+            if self._kind != "tool":
+                parts.add(self._kind, self._edges.flush())
+            parts.extend(self._end_body())
+        else:
+            parts.content += self._held()
+        return parts
+
+    def _collect(self, segments: list[tuple[str | None, str]]) -> Parts:
+        parts = Parts()
+        for state, text in segments:
+            state = state or "between"
+            if self._plain:
+                parts.content += text
+                continue
+            if state != self._last:
+                if self._last == "body":
+                    parts.extend(self._end_body())
+                if state == "body":
+                    self._begin_body()
+                self._last = state
+            if state == "body":
+                self._body_text(text, parts)
+                continue
+            if state == "channel":
+                self._channel += text
+            else:
+                self._header += text
+            if self._not_harmony(state):
+                self._plain = True  # what was held as a header is answer text
+                parts.content += self._held()
+        return parts
+
+    def _held(self) -> str:
+        """Header text the model wrote that no message body followed."""
+        return self._header[self._from_prompt:] + self._channel[self._channel_from_prompt:]
+
+    def _not_harmony(self, state: str) -> bool:
+        if len(self._header) + len(self._channel) > MAX_HARMONY_HEADER:
+            return True
+        return state != "channel" and not _could_be_header(self._header)
+
+    def _begin_body(self) -> None:
+        words = self._channel.split()
+        channel = words[0] if words else ""
+        found = _RECIPIENT.search(self._header + " " + self._channel)
+        self._recipient = found.group(1) if found else ""
+        self._header = self._channel = ""
+        self._from_prompt = self._channel_from_prompt = 0
+        self._body = ""
+        self._edges.begin()
+        if self._recipient and self._parse_tools:
+            self._kind = "tool"
+        elif channel == "analysis":
+            self._kind = "reasoning"
+        else:  # final, a commentary preamble, or a call when no tools were given
+            self._kind = "content"
+
+    def _body_text(self, text: str, parts: Parts) -> None:
+        if self._kind == "tool":
+            self._body += text
+        else:
+            parts.add(self._kind, self._edges.text(text))
+
+    def _end_body(self) -> Parts:
+        parts = Parts()
+        if self._kind == "tool":
+            call = make_call(self._recipient.removeprefix("functions."), self._body)
+            if call is not None:
+                parts.calls.append(call)
+            else:
+                parts.content = self._body
+        self._kind = "content"
+        self._body = ""
+        return parts
+
+
+def _could_be_header(header: str) -> bool:
+    """Whether `header` (so far) is what comes before a harmony channel: "assistant to=functions.f"."""
+    words = header.split()
+    return all(w.startswith("to=") or "assistant".startswith(w) or "to=".startswith(w) for w in words)

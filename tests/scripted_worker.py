@@ -1,0 +1,34 @@
+"""The real worker, with replies scripted by the test: random weights never call a tool by themselves.
+
+SCRIPTED_REPLIES holds a JSON list of ``[marker, reply]``: a request whose
+templated prompt contains `marker` (the first that matches) is forced, token
+by token, to generate `reply` and then end its turn, through a logits
+processor added to its sequence. Everything else (templating, batching, the
+streaming detokenizer, the reply splitter, the frames) is the production
+path, unchanged; requests that match no marker run as usual.
+"""
+
+import json
+import os
+
+from forcing import forced, reply_ids
+from mlxrt.worker import engine as engine_module
+from mlxrt.worker.main import main
+
+SCRIPT = json.loads(os.environ["SCRIPTED_REPLIES"])
+_sequence = engine_module.Engine._sequence
+
+
+def scripted_sequence(self, req, listener, queued_at):
+    seq = _sequence(self, req, listener, queued_at)
+    prompt = self.tokenizer.decode(seq.ids)
+    reply = next((r for marker, r in SCRIPT if marker in prompt), None)
+    if reply is not None:
+        seq.processors = [*seq.processors, forced(reply_ids(self.tokenizer, reply), self.vocab_size)]
+    return seq
+
+
+engine_module.Engine._sequence = scripted_sequence
+
+if __name__ == "__main__":
+    main()
