@@ -28,12 +28,25 @@ MAX_REPETITION_CONTEXT = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_REPETITION_CONTEXT = 20
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "grammar_dead_end"]
+#: The finish reason of a constrained request whose grammar allowed no next token.
+GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=False):
     role: str
     content: str
+
+
+class Grammar(msgspec.Struct, kw_only=True, frozen=True):
+    """A constraint on the reply, compiled in the worker by llguidance (see docs/structured-output.md).
+
+    Frozen, so the worker's compiled-grammar cache can key on it.
+    """
+
+    kind: Literal["json_schema", "regex", "lark"]
+    #: The JSON schema as JSON text, the regular expression, or the Lark grammar.
+    source: str
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -50,6 +63,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    #: Structured output: the reply must match this grammar (None: unconstrained).
+    grammar: Grammar | None = None
 
     def validate(self) -> SamplingParams:
         """Raise `ValueError` naming the first bad field; return self."""

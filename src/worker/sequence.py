@@ -19,13 +19,16 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..ipc.protocol import Generate, SamplingParams, Stats
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 #: emit(token_id, text_delta) is called once per generated token, on the engine's thread.
 EmitFn = Callable[[int, str], None]
@@ -206,6 +209,8 @@ class Sequence:
     batch_size_sum: int = 0
     #: Kinds of the prompt checkpoints still to take, last first (non-trimmable caches).
     checkpoint_kinds: list[str] = field(default_factory=list)
+    #: The grammar's logits processor (structured output); None when unconstrained.
+    constraint: Constraint | None = None
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
