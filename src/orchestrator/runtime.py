@@ -39,6 +39,7 @@ from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedEr
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
 from .models import resolve_model
 from .routing import PrefixRouter, block_keys
+from .structured import check_grammar, json_schema_grammar
 from .supervisor import Slot
 
 log = structlog.get_logger("mlxrt.orchestrator")
@@ -70,7 +71,14 @@ class Completion:
 
 
 def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Generate:
-    """Validate a prompt and sampling keywords into a `Generate`; `ValueError` names the field."""
+    """Validate a prompt and sampling keywords into a `Generate`; `ValueError` names the field.
+
+    ``json_schema`` (a schema object or its JSON text) is the short way to say
+    ``grammar=Grammar(kind="json_schema", ...)``; either is checked here.
+    """
+    if params.get("json_schema") is not None:
+        params = {**params, "grammar": json_schema_grammar(params["json_schema"])}
+    params.pop("json_schema", None)
     unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {SamplingParams.__struct_fields__}")
@@ -81,6 +89,8 @@ def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Genera
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid sampling parameter: {exc}") from None
     sp.validate()
+    if sp.grammar is not None:
+        check_grammar(sp.grammar)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("invalid prompt: empty string")
@@ -481,7 +491,9 @@ class Runtime:
     `models` maps names to such references to serve several. Sampling keywords
     of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
-    ignore_eos.
+    ignore_eos, and for structured output ``json_schema`` (a JSON schema the
+    reply must match, enforced in the worker) or ``grammar`` (a `Grammar`:
+    a JSON schema, a regex or a Lark grammar).
 
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,

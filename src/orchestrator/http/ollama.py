@@ -6,6 +6,7 @@ the worker's time to first token, eval = its decode time, total = the
 request's wall time in this server, load = 0: models are loaded at start-up).
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9,
 repeat_penalty 1.1 over the last 64 tokens), not mlxrt's greedy ones.
+``format`` (``"json"`` or a JSON schema) is enforced in the worker by a grammar.
 
 ``keep_alive`` goes to the supervisor: after the request the model stays
 loaded that long once idle (negative: forever), ``0`` unloads it when the
@@ -30,6 +31,7 @@ from starlette.routing import Route
 
 from ...ipc.protocol import MAX_REPETITION_CONTEXT
 from ..errors import MlxrtError
+from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, ollama_body
 from .schemas import (
     ENCODER,
@@ -149,12 +151,23 @@ def _unsupported(param: str, what: str) -> HttpError:
 
 
 def _refuse_common(req: OllamaGenerateRequest | OllamaChatRequest) -> None:
-    if req.format:
-        raise _unsupported("format", "structured output")
     if req.think:
         raise _unsupported("think", "thinking")
     if req.logprobs or req.top_logprobs:
         raise _unsupported("logprobs", "returning log probabilities")
+
+
+def constrain(params: dict[str, Any], fmt: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Add the grammar `format` asks for (``"json"`` or a JSON schema) to `params`; 400 if it is bad."""
+    if not fmt:
+        return params
+    if isinstance(fmt, str) and fmt != "json":
+        raise HttpError(400, f'format: expected "json" or a JSON schema object, got {fmt!r}', param="format")
+    try:
+        params["grammar"] = json_schema_grammar(ANY_JSON_OBJECT if fmt == "json" else fmt, "format")
+    except ValueError as exc:
+        raise HttpError(400, str(exc), param="format") from None
+    return params
 
 
 def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
@@ -222,7 +235,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = generate_prompt(req)
-        params = ollama_params(req.options)
+        params = constrain(ollama_params(req.options), req.format)
         if not req.prompt:
             return await self._load_or_unload(model, keep_alive, OllamaGenerateChunk(
                 model=req.model, created_at=iso_now(), response=""))
@@ -243,7 +256,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = chat_prompt(req)
-        params = ollama_params(req.options)
+        params = constrain(ollama_params(req.options), req.format)
         if not prompt:
             message = OllamaMessageOut(content="")
             return await self._load_or_unload(model, keep_alive, OllamaChatChunk(
