@@ -184,11 +184,14 @@ class Constraint:
         return "stop" if self.matcher.is_stopped() else None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        mx.async_eval(logits)  # the forward pass runs while the CPU computes the mask
         m = self.matcher
-        if self._started and not m.consume_token(int(tokens[-1].item())):
+        # The last token first, then the forward pass: on a single stream (MLX's CPU backend) reading
+        # the token after queueing the forward pass would wait for it. The mask is computed meanwhile.
+        last = int(tokens[-1].item()) if self._started else None
+        mx.async_eval(logits)
+        if last is not None and not m.consume_token(last):
             self.rejected = True
-            self.error = m.get_error() or "the grammar rejected the last token"
+            self.error = m.get_error() or f"the grammar rejected token {last}"
             return logits
         self._started = True
         m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
