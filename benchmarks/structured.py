@@ -3,6 +3,7 @@
 - compile: building llguidance's tokenizer (once per worker), checking a
   typical schema at the edge (no tokenizer), compiling it against the
   tokenizer, and its first mask (llguidance builds lexer states lazily);
+- replies: a few to a typical schema, and whether the complete ones parse;
 - decode: the aggregate decode rate of N streams, all constrained by a JSON
   schema vs all unconstrained, A/B interleaved over rounds, greedy, EOS off.
   The rate is counted over the window in which all N sequences decode
@@ -87,6 +88,37 @@ def decode_rate(engine: Engine, streams: int, tokens: int, grammar: Grammar | No
     return n / (end - start), early
 
 
+def validity(engine: Engine, replies: int, tokens: int) -> dict[str, int]:
+    """Replies to the typical schema, greedy and sampled: how many ended how, and how many parsed."""
+    grammar = Grammar(kind="json_schema", source=json.dumps(TYPICAL))
+    clock = Texts()
+    for i in range(replies):
+        params = SamplingParams(max_tokens=tokens, grammar=grammar, temperature=0.0 if i % 2 else 1.0, seed=i)
+        engine.submit(Generate(id=i, prompt=f"{PROMPT} {i}", params=params), clock)
+    while engine.busy:
+        engine.step()
+    counts = {"stop": 0, "length": 0, "other": 0, "parsed": 0}
+    for i, reason in clock.reasons.items():
+        counts[reason if reason in counts else "other"] += 1
+        if reason == "stop":
+            reply = json.loads(clock.text[i])
+            counts["parsed"] += set(TYPICAL["required"]) <= set(reply)
+    return counts
+
+
+class Texts(Clock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.text: dict[int, str] = {}
+
+    def token(self, req_id: int, token: int, text: str) -> None:
+        self.text[req_id] = self.text.get(req_id, "") + text
+
+    def done(self, req_id: int, stats, text: str) -> None:
+        self.token(req_id, -1, text)
+        self.reasons[req_id] = stats.finish_reason
+
+
 def compile_figures(engine: Engine, repeats: int) -> dict[str, float]:
     """Milliseconds: llguidance's tokenizer, the edge check, a compile and its first mask (medians)."""
     from mlxrt.orchestrator.structured import _problem
@@ -118,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,16", help="comma-separated stream counts (default 1,16)")
     p.add_argument("--tokens", type=int, default=128, help="max_tokens per stream (default 128)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved A/B rounds (default 5)")
+    p.add_argument("--cpu", action="store_true", help="run on MLX's CPU backend even where a GPU is")
     args = p.parse_args(argv)
+    if args.cpu:
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)
     levels = [int(s) for s in args.streams.split(",")]
     engine = Engine(str(ensure_model(args.preset)), options=EngineOptions(decode_concurrency=max(levels),
                                                                             prompt_cache_bytes=0))
@@ -126,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     grammar = Grammar(kind="json_schema", source=json.dumps(LONG))
     decode_rate(engine, 1, 8, grammar)  # compile LONG and warm its lexer outside the measurement
     out: dict = {"preset": args.preset, "tokens": args.tokens, "rounds": args.rounds,
-                 "compile": compile_figures(engine, 20), "decode": {}, "env": describe()}
+                 "compile": compile_figures(engine, 20), "decode": {}, "env": describe(),
+                 "typical_schema_replies": validity(engine, 8, 256)}
     for n in levels:
         rates: dict[str, list[float]] = {"plain": [], "json_schema": []}
         early = 0
@@ -148,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         r = d["ratio"]
         print(f"| {n} | {d['plain_tps']['median']:.1f} | {d['json_schema_tps']['median']:.1f} | "
               f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) |")
+    print(f"\ntypical schema, 8 replies of at most 256 tokens: {out['typical_schema_replies']}")
     c = out["compile"]
     print(f"\ncompile (ms): tokenizer {c['tokenizer_ms']:.1f}, edge check {c['check_ms']:.2f}, "
           f"compile {c['compile_ms']:.2f}, first mask {c['first_mask_ms']:.2f}")
