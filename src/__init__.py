@@ -5,7 +5,7 @@
         print(rt.generate("Hello", max_tokens=16).text)
 """
 
-from .ipc.protocol import EngineOptions, SamplingParams, Stats, ToolCall
+from .ipc.protocol import EngineOptions, Grammar, SamplingParams, Stats, ToolCall
 from .orchestrator.config import Supervision, Timeouts
 from .orchestrator.errors import (
     ChannelError,
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EngineOptions",
+    "Grammar",
     "AsyncRuntime",
     "AsyncStream",
     "ChannelError",

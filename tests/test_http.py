@@ -606,6 +606,9 @@ _sampling = {
     "stream": st.booleans(), "min_p": st.floats(0, 0.5) | st.just(1.5),
     "top_k": st.integers(-1, 100) | st.sampled_from([2047, 2048, 10**6]),  # tiny's vocabulary: 2048
 }
+# Structured output: plausible schemas, and wild ones from `request_bodies` (a dict of junk is a schema too).
+_schema = st.sampled_from([{"type": "object"}, {"type": "integer", "minimum": 3, "maximum": 1},
+                           {"type": "array", "items": {"type": "boolean"}}, {"type": "wizard"}])
 FIELDS = {
     "/v1/chat/completions": {"model": st.just("tiny"), "messages": _msgs, "max_tokens": st.integers(-1, 4),
                              "n": st.just(1) | st.integers(0, 2),
@@ -613,10 +616,16 @@ FIELDS = {
     "/v1/completions": {"model": st.just("tiny"), "max_tokens": st.integers(-1, 4),
                         "prompt": st.text(max_size=16) | st.lists(st.integers(-2, 3000), max_size=6),
                         "ignore_eos": st.booleans(), "return_token_ids": st.booleans(),
-                        "stop_token_ids": st.lists(st.integers(0, 2100), max_size=2), **_sampling},
+                        "stop_token_ids": st.lists(st.integers(0, 2100), max_size=2),
+                        "response_format": st.fixed_dictionaries(
+                            {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+                            optional={"json_schema": st.fixed_dictionaries({"name": st.just("r")},
+                                                                           optional={"schema": _schema})}),
+                        **_sampling},
     "/api/generate": {"model": st.sampled_from(["tiny", "tiny:latest"]), "prompt": st.text(max_size=16),
                       "raw": st.booleans(), "stream": st.booleans(), "system": st.text(max_size=8),
                       "keep_alive": st.one_of(st.text(max_size=4), st.integers(-2, 2)),
+                      "format": st.sampled_from(["json", "", "xml"]) | _schema,
                       "options": st.fixed_dictionaries({"num_predict": st.integers(-3, 4)},
                                                        optional={k: v for k, v in _sampling.items()
                                                                  if k != "stream"})},

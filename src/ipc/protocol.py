@@ -28,7 +28,9 @@ MAX_REPETITION_CONTEXT = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_REPETITION_CONTEXT = 20
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "grammar_dead_end"]
+#: The finish reason of a constrained request whose grammar allowed no next token.
+GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -109,6 +111,17 @@ class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
         return bool(self.enable_thinking) or self.reasoning_effort is not None
 
 
+class Grammar(msgspec.Struct, kw_only=True, frozen=True):
+    """A constraint on the reply, compiled in the worker by llguidance (see docs/structured-output.md).
+
+    Frozen, so the worker's compiled-grammar cache can key on it.
+    """
+
+    kind: Literal["json_schema", "regex", "lark"]
+    #: The JSON schema as JSON text, the regular expression, or the Lark grammar.
+    source: str
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """What to generate and how; validated in the orchestrator before sending."""
 
@@ -123,6 +136,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    #: Structured output: the reply must match this grammar (None: unconstrained).
+    grammar: Grammar | None = None
 
     def validate(self) -> SamplingParams:
         """Raise `ValueError` naming the first bad field; return self."""

@@ -40,6 +40,7 @@ from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedEr
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
 from .models import resolve_model
 from .routing import PrefixRouter, block_keys
+from .structured import check_grammar, json_schema_grammar
 from .supervisor import Slot
 
 log = structlog.get_logger("mlxrt.orchestrator")
@@ -84,7 +85,14 @@ class Completion:
 
 
 def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Generate:
-    """Validate a prompt, sampling and chat keywords into a `Generate`; `ValueError` names the field."""
+    """Validate a prompt, sampling and chat keywords into a `Generate`; `ValueError` names the field.
+
+    ``json_schema`` (a schema object or its JSON text) is the short way to say
+    ``grammar=Grammar(kind="json_schema", ...)``; either is checked here.
+    """
+    if params.get("json_schema") is not None:
+        params = {**params, "grammar": json_schema_grammar(params["json_schema"])}
+    params.pop("json_schema", None)
     unknown = sorted(set(params) - set(SamplingParams.__struct_fields__) - set(CHAT_KEYWORDS))
     if unknown:
         raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {SamplingParams.__struct_fields__}"
@@ -98,6 +106,8 @@ def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Genera
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid sampling parameter: {exc}") from None
     sp.validate()
+    if sp.grammar is not None:
+        check_grammar(sp.grammar)
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("invalid prompt: empty string")
@@ -514,9 +524,12 @@ class Runtime:
     `models` maps names to such references to serve several. Sampling keywords
     of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
-    ignore_eos. Chat keywords (the prompt a list of messages): tools,
-    tool_choice, think (`chat.chat_options`); the reply's reasoning and tool
-    calls come apart from its text (`Completion.reasoning`, `.tool_calls`).
+    ignore_eos; for structured output ``json_schema`` (a JSON schema the
+    reply must match, enforced in the worker) or ``grammar`` (a `Grammar`:
+    a JSON schema, a regex or a Lark grammar). Chat keywords (the prompt a
+    list of messages): tools, tool_choice, think (`chat.chat_options`); the
+    reply's reasoning and tool calls come apart from its text
+    (`Completion.reasoning`, `.tool_calls`).
 
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,

@@ -57,6 +57,7 @@ from ..ipc.protocol import (
     SamplingParams,
     Stats,
 )
+from .grammar import GrammarCache
 from .prefix_cache import PrefixCache
 from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
 from .sequence import (
@@ -122,6 +123,7 @@ class Engine:
         self.capabilities = capabilities(self.tokenizer)
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
         self._eos = tuple(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
@@ -314,6 +316,11 @@ class Engine:
         ids = self.prompt_ids(req)
         sampler = make_request_sampler(p)
         check_sampler(sampler, self.vocab_size)
+        processors = make_request_processors(p)
+        constraint = None
+        if p.grammar is not None:  # last, so its -inf mask is what the sampler sees
+            constraint = self.grammars.constraint(p.grammar)
+            processors.append(constraint)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos))
         # Only a chat reply has reasoning and tool calls to split out.
         reply = None if req.messages is None else make_splitter(
@@ -325,7 +332,8 @@ class Engine:
             max_tokens=min(p.max_tokens, self.context_length - len(ids)),
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
-            processors=make_request_processors(p),
+            processors=processors,
+            constraint=constraint,
             text=TextStream(self.tokenizer.detokenizer, p.stop, split_emit(reply, listener, req.id)),
             queued_at=queued_at,
             listener=listener,
@@ -389,7 +397,7 @@ class Engine:
 
     def _deliver(self, responses: list) -> None:
         now, size = time.perf_counter(), len(responses)
-        ended: list[Sequence] = []
+        ended: list[tuple[Sequence, str]] = []  # ended here while mlx-lm would go on: taken out below
         for r in responses:
             seq = self._running[r.uid]
             seq.first_at = seq.first_at or now
@@ -399,20 +407,29 @@ class Engine:
             if r.finish_reason == "stop":  # a stop id: not part of the reply
                 self._finish(seq, "stop", r.prompt_cache, r.all_tokens)
                 continue
-            seq.generated += 1
-            if seq.text.add(r.token):
-                if r.finish_reason is None:
-                    ended.append(seq)
-                else:
-                    self._finish(seq, "stop", r.prompt_cache, r.all_tokens)
-            elif r.finish_reason == "length":
-                self._finish(seq, "length", r.prompt_cache, r.all_tokens)
-        if ended:  # stop strings: mlx-lm does not know them, so take these out of the batch
+            con = seq.constraint
+            reason = None
+            if con is not None and (con.rejected or (r.token in self._eos and con.finish_reason == "stop")):
+                reason = con.finish_reason  # a token the grammar refused, or its EOS under ignore_eos: unsent
+            else:
+                seq.generated += 1
+                if seq.text.add(r.token):
+                    reason = "stop"
+                elif con is not None:
+                    reason = con.finish_reason
+            if reason is None:
+                if r.finish_reason == "length":
+                    self._finish(seq, "length", r.prompt_cache, r.all_tokens)
+            elif r.finish_reason is None:
+                ended.append((seq, reason))
+            else:
+                self._finish(seq, reason, r.prompt_cache, r.all_tokens)
+        if ended:  # stop strings and grammars: mlx-lm does not know them, so take these out of the batch
             caches = self._batch.remove(
-                [s.uid for s in ended], return_prompt_caches=self.prefix_cache.enabled
+                [s.uid for s, _ in ended], return_prompt_caches=self.prefix_cache.enabled
             )
-            for seq in ended:
-                self._finish(seq, "stop", *caches.get(seq.uid, (None, None)))
+            for seq, reason in ended:
+                self._finish(seq, reason, *caches.get(seq.uid, (None, None)))
 
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
         del self._running[seq.uid]

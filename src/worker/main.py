@@ -177,9 +177,10 @@ class Outbox:
 class Server:
     """Takes requests from the reader thread and runs them in the engine's batch on the MLX thread.
 
-    The reader thread only queues: every engine call (submit, cancel, step)
-    happens on the MLX thread, between batch steps, so a request that
-    arrives mid-generation joins the batch at the next step.
+    The reader thread only queues, and compiles a request's grammar before
+    queueing it: every engine call (submit, cancel, step) happens on the MLX
+    thread, between batch steps, so a request that arrives mid-generation
+    joins the batch at the next step.
     """
 
     def __init__(self, engine, outbox: Outbox) -> None:
@@ -193,9 +194,13 @@ class Server:
 
     # -- reader thread --
     def on_message(self, msg: object) -> None:
+        arrived = time.perf_counter()
+        if isinstance(msg, Generate) and msg.params.grammar is not None:
+            # Compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
+            self._engine.grammars.prepare(msg.params.grammar)
         with self._cond:
             if isinstance(msg, Generate):
-                self._inbox.append((msg, time.perf_counter()))
+                self._inbox.append((msg, arrived))
             elif isinstance(msg, Cancel):
                 self._cancels.append(msg.id)
             elif isinstance(msg, Shutdown):

@@ -19,13 +19,16 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from ..ipc.protocol import Generate, SamplingParams, Stats, ToolCall
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 #: emit(token_id, text_delta) is called once per generated token, on the engine's thread.
 EmitFn = Callable[[int, str], None]
@@ -216,6 +219,8 @@ class Sequence:
     leads: tuple[int, ...] | None = None
     #: Splits a chat reply into answer, reasoning and tool calls (`reply.py`); None: text as it is.
     reply: object = None
+    #: The grammar's logits processor (structured output); None when unconstrained.
+    constraint: Constraint | None = None
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated

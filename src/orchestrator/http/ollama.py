@@ -6,6 +6,7 @@ the worker's time to first token, eval = its decode time, total = the
 request's wall time in this server, load = 0: models are loaded at start-up).
 Sampling defaults are Ollama's (temperature 0.8, top_k 40, top_p 0.9,
 repeat_penalty 1.1 over the last 64 tokens), not mlxrt's greedy ones.
+``format`` (``"json"`` or a JSON schema) is enforced in the worker by a grammar.
 
 ``keep_alive`` goes to the supervisor: after the request the model stays
 loaded that long once idle (negative: forever), ``0`` unloads it when the
@@ -31,6 +32,7 @@ from starlette.routing import Route
 
 from ...ipc.protocol import MAX_REPETITION_CONTEXT, REASONING_EFFORTS, ToolCall
 from ..errors import MlxrtError
+from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, ollama_body
 from .schemas import (
     ENCODER,
@@ -152,8 +154,6 @@ def _unsupported(param: str, what: str) -> HttpError:
 
 
 def _refuse_common(req: OllamaGenerateRequest | OllamaChatRequest) -> None:
-    if req.format:
-        raise _unsupported("format", "structured output")
     if req.logprobs or req.top_logprobs:
         raise _unsupported("logprobs", "returning log probabilities")
 
@@ -177,6 +177,19 @@ def refuse_missing(svc: Service, model: str, requested: str, params: dict[str, A
         raise HttpError(400, f"{json.dumps(requested)} does not support thinking", param="think")
     if missing == "tools":
         raise HttpError(400, f"{requested} does not support tools", param="tools")
+
+
+def constrain(params: dict[str, Any], fmt: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Add the grammar `format` asks for (``"json"`` or a JSON schema) to `params`; 400 if it is bad."""
+    if not fmt:
+        return params
+    if isinstance(fmt, str) and fmt != "json":
+        raise HttpError(400, f'format: expected "json" or a JSON schema object, got {fmt!r}', param="format")
+    try:
+        params["grammar"] = json_schema_grammar(ANY_JSON_OBJECT if fmt == "json" else fmt, "format")
+    except ValueError as exc:
+        raise HttpError(400, str(exc), param="format") from None
+    return params
 
 
 def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
@@ -271,7 +284,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = generate_prompt(req)
-        params = ollama_params(req.options)
+        params = constrain(ollama_params(req.options), req.format)
         chat = think_param(req)
         refuse_missing(self.svc, model, req.model, chat)
         if not req.raw:  # a raw prompt has no template to think through
@@ -300,7 +313,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = chat_prompt(req)
-        params = ollama_params(req.options)
+        params = constrain(ollama_params(req.options), req.format)
         params.update(chat_params(req))
         refuse_missing(self.svc, model, req.model, params)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself

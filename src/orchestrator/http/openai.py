@@ -8,6 +8,9 @@ allocates the encoded bytes and nothing else it can avoid.
 Extensions, spelt as vLLM spells them: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``repetition_context_size``, ``ignore_eos``,
 ``stop_token_ids``, and ``return_token_ids`` (adds ``token_ids`` to each choice).
+
+``response_format`` (``json_object``, ``json_schema``) is enforced in the
+worker by a grammar, on /v1/completions too (as vLLM does).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..errors import MlxrtError
+from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, openai_body
 from .schemas import (
     ENCODER,
@@ -40,6 +44,7 @@ from .schemas import (
     ModelList,
     OpenAISampling,
     PromptTokensDetails,
+    ResponseFormat,
     ToolCallDelta,
     ToolCallOut,
     Usage,
@@ -97,12 +102,30 @@ def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: in
     return params
 
 
+def constrain(params: dict[str, Any], fmt: ResponseFormat | None) -> dict[str, Any]:
+    """Add the grammar `response_format` asks for to `params`; 400 naming the field if it is bad."""
+    if fmt is None or fmt.type == "text":
+        return params
+    if fmt.type == "json_object":
+        schema: Any = ANY_JSON_OBJECT
+        field = "response_format"
+    else:
+        if fmt.json_schema is None:
+            raise HttpError(400, "response_format.json_schema: required with type 'json_schema'",
+                            param="response_format.json_schema")
+        schema = ANY_JSON_OBJECT if fmt.json_schema.schema is None else fmt.json_schema.schema
+        field = "response_format.json_schema.schema"
+    try:
+        params["grammar"] = json_schema_grammar(schema, field)
+    except ValueError as exc:
+        raise HttpError(400, str(exc), param=field, code="invalid_json_schema") from None
+    return params
+
+
 def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the worker's chat template takes them (text parts only), tool turns included."""
     if req.logprobs or req.top_logprobs:
         raise _unsupported("logprobs", "returning log probabilities")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _unsupported("response_format", f"type {req.response_format.type!r}")
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -207,7 +230,7 @@ class OpenAIApi:
         req: ChatCompletionRequest = await self.svc.read(request, _chat_decoder)
         model = self.svc.model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params(req, max_tokens, UNLIMITED_TOKENS)
+        params = constrain(sampling_params(req, max_tokens, UNLIMITED_TOKENS), req.response_format)
         names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens", **CHAT_NAMES}
         prompt = chat_prompt(req)
@@ -232,7 +255,8 @@ class OpenAIApi:
         t0 = time.perf_counter()
         req: CompletionRequest = await self.svc.read(request, _completion_decoder)
         model = self.svc.model(req.model)
-        params = sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        params = constrain(sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
+                           req.response_format)
         gen = await self.svc.start(request, "/v1/completions", completion_prompt(req), model, params, {}, t0)
         rid, created = new_id("cmpl"), int(time.time())
         if req.stream:

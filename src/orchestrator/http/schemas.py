@@ -98,8 +98,19 @@ class ChatTemplateKwargs(Strict, kw_only=True):
     reasoning_effort: str | None = None
 
 
-class ResponseFormat(Struct, kw_only=True):
-    type: str
+class JsonSchemaFormat(Strict, kw_only=True):
+    """``response_format.json_schema``: enforced in full, whatever ``strict`` says."""
+
+    name: str = ""
+    description: str | None = None
+    #: The JSON schema the reply must match; absent: any JSON object.
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class OpenAISampling(Strict, kw_only=True):
@@ -151,6 +162,7 @@ class CompletionRequest(OpenAISampling, kw_only=True):
     best_of: Int | None = None
     logprobs: Int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # as vLLM: structured output for completions too
 
 
 # ---- OpenAI responses -------------------------------------------------------

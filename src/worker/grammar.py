@@ -1,0 +1,203 @@
+"""Structured output in the worker: llguidance grammars, applied as per-sequence logits processors.
+
+::
+
+    reader thread                        MLX thread, each batch step, per constrained sequence
+    Generate with params.grammar         Constraint(tokens, logits):
+      -> GrammarCache.prepare()            start the forward pass (async_eval), then on the CPU:
+         compile against the tokenizer     advance the matcher by the token sampled last step,
+         (llguidance drops the GIL),       compute its token bitmask for the next one,
+         keep the pristine matcher         mask the logits with MLX ops (-inf where not allowed)
+    Engine.submit -> GrammarCache.matcher(): a copy of the cached matcher (a compile error fails
+                                              the request alone, at admission)
+
+The engine reads each constrained sequence's state after every token
+(`Constraint.finish_reason`): a grammar that is complete (nothing more can
+follow) ends the request with ``stop``, one that allows no next token ends it
+with ``grammar_dead_end``; max_tokens ends it with ``length`` as always, so a
+constrained request always ends. EOS is in the mask only where the grammar
+accepts, so EOS (a stop id) ends a constrained reply only when it is complete.
+
+The mask is applied with portable MLX ops (a gather and a bitwise and), not
+llguidance's Metal kernel, so it runs on the CPU, CUDA and Metal backends.
+Unconstrained sequences have no `Constraint` and pay nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+from ..ipc.protocol import GRAMMAR_DEAD_END, Grammar
+
+#: Compiled grammars kept per worker (each a pristine matcher, copied per request).
+DEFAULT_GRAMMAR_CACHE_ENTRIES = 64
+#: Whitespace between JSON tokens: none, one space, or a newline and up to 20 spaces or tabs of indent
+#: (llama.cpp's rule). Compact and pretty-printed JSON both match, and no reply can spend its
+#: max_tokens on endless whitespace, which unbounded whitespace lets a weak model do.
+JSON_WHITESPACE = r"(?:\n[ \t]{0,20}| )?"
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled against this model's tokenizer: the request fails alone."""
+
+
+def grammar_text(grammar: Grammar) -> str:
+    """llguidance's grammar definition for `grammar` (not yet checked)."""
+    if grammar.kind == "json_schema":
+        options: llguidance.JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE}
+        return llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=options)
+    if grammar.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+    return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+
+
+class GrammarCache:
+    """Compiled grammars for one tokenizer, keyed by `Grammar`, least recently used dropped first.
+
+    Safe to call from any thread: the reader thread compiles (`prepare`), the
+    MLX thread takes copies (`matcher`). A failed compile is cached too, so
+    the request fails at admission without compiling again.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, *, entries: int = DEFAULT_GRAMMAR_CACHE_ENTRIES):
+        self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the HF tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_ids)
+        self._entries = entries
+        self._lock = threading.Lock()
+        self._llt: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[Grammar, llguidance.LLMatcher | str] = OrderedDict()
+        self.compiles = 0
+        self.hits = 0
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the model's tokenizer, built on first use (~1 s for a 150k vocabulary)."""
+        with self._lock:
+            if self._llt is None:
+                self._llt = _ll_tokenizer(self._hf, self._vocab_size, self._eos)
+            return self._llt
+
+    def prepare(self, grammar: Grammar) -> None:
+        """Compile `grammar` into the cache unless it is there; never raises (errors are cached)."""
+        with self._lock:
+            if grammar in self._compiled:
+                return
+        try:
+            compiled: llguidance.LLMatcher | str = _compile(self.tokenizer(), grammar)
+        except Exception as exc:  # a tokenizer llguidance cannot read: the request fails, the worker lives
+            compiled = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self.compiles += 1
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self._entries:
+                self._compiled.popitem(last=False)
+
+    def constraint(self, grammar: Grammar) -> Constraint:
+        """A new sequence's `Constraint` for `grammar`; `GrammarError` if it does not compile."""
+        matcher = self.matcher(grammar)
+        return Constraint(matcher, self.tokenizer().vocab_size)
+
+    def matcher(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """A fresh matcher for `grammar`, compiled now if `prepare` did not; `GrammarError` if it fails."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self.hits += 1
+                self._compiled.move_to_end(grammar)
+        if compiled is None:
+            self.prepare(grammar)
+            with self._lock:
+                compiled = self._compiled.get(grammar)
+        if compiled is None:  # evicted at once (entries=0): compile for this request alone
+            compiled = _compile(self.tokenizer(), grammar)
+        if isinstance(compiled, str):
+            raise GrammarError(f"invalid grammar ({grammar.kind}): {compiled}")
+        return compiled.deep_copy()
+
+
+def _ll_tokenizer(hf, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
+    import llguidance.hf
+    import transformers
+
+    if not isinstance(hf, transformers.PreTrainedTokenizerFast):
+        kind = type(hf).__name__
+        raise GrammarError(f"structured output needs a fast (Rust) Hugging Face tokenizer, not {kind}")
+    n_vocab = max(vocab_size, len(hf)) or None  # the logits' width: the model may pad past the tokenizer
+    return llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos or None)
+
+
+def _compile(llt: llguidance.LLTokenizer, grammar: Grammar) -> llguidance.LLMatcher | str:
+    """A pristine matcher, or the compile error's message."""
+    try:
+        text = grammar_text(grammar)
+    except ValueError as exc:
+        return str(exc)
+    matcher = llguidance.LLMatcher(llt, text, log_level=0)
+    return matcher.get_error() if matcher.is_error() else matcher
+
+
+class MaskIndex:
+    """Per vocabulary position, the bitmask word that holds it and its bit: built once per logits width."""
+
+    _by_width: dict[int, MaskIndex] = {}
+
+    def __init__(self, width: int) -> None:
+        pos = mx.arange(width, dtype=mx.uint32)
+        self.word = pos // 32
+        self.bit = mx.left_shift(mx.array(1, dtype=mx.uint32), pos % 32)
+
+    @classmethod
+    def of(cls, width: int) -> MaskIndex:
+        index = cls._by_width.get(width)
+        if index is None:
+            index = cls._by_width[width] = cls(width)
+        return index
+
+
+class Constraint:
+    """One sequence's grammar: a logits processor that masks what the grammar forbids.
+
+    mlx-lm calls it once per step with the sequence's tokens and the step's
+    logits; the last token is the one sampled at the previous step (the
+    first call's is the prompt's last, which the grammar does not see).
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int) -> None:
+        self.matcher = matcher
+        self._words = np.zeros((n_vocab + 31) // 32, dtype=np.uint32)
+        self._started = False
+        #: Set when the grammar rejected the last token: it must not reach the reply.
+        self.rejected = False
+        #: Why the grammar cannot go on (llguidance's message), once it cannot.
+        self.error = ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``stop`` once the grammar is complete, the dead-end reason once it allows nothing, else None."""
+        if self.error:
+            return GRAMMAR_DEAD_END
+        return "stop" if self.matcher.is_stopped() else None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        m = self.matcher
+        # The last token first, then the forward pass: on a single stream (MLX's CPU backend) reading
+        # the token after queueing the forward pass would wait for it. The mask is computed meanwhile.
+        last = int(tokens[-1].item()) if self._started else None
+        mx.async_eval(logits)
+        if last is not None and not m.consume_token(last):
+            self.rejected = True
+            self.error = m.get_error() or f"the grammar rejected token {last}"
+            return logits
+        self._started = True
+        m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        if m.is_error() or not self._words.any():
+            self.error = m.get_error() or "the grammar allows no next token"
+            return logits  # the engine ends the sequence before this step's token is sent
+        index = MaskIndex.of(logits.shape[-1])
+        allowed = (mx.take(mx.array(self._words), index.word) & index.bit) != 0
+        return mx.where(allowed, logits, -mx.inf)
