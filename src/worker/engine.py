@@ -73,6 +73,9 @@ from .sequence import (
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
 WARMUP_PROMPT = "Warm up the kernels."
+#: A warm-up prompt between the quantised matmul's 16- and 64-row tiles: its own 32-row kernel,
+#: compiled on first use (35 s on an H100 for a 4k-token prompt whose last chunk was 26 tokens).
+MID_WARMUP_TOKENS = 24
 #: System prompts whose templated tokens are remembered (a chat's every turn repeats its own).
 MAX_TEMPLATE_HEADS = 32
 
@@ -212,7 +215,9 @@ class Engine:
         so do prompt chunks of `prefill_step_size` tokens; on CUDA the first
         use of each costs seconds (38 s for the first long prompts seen on an
         H200), so a full batch and, on a GPU, a prompt past two prefill steps
-        warm them. The CPU compiles nothing, so it skips the long prompt.
+        and a 24-token one (the matmul's tile follows the rows of a chunk)
+        warm them; `benchmarks/first_use.py` shows what is left. The CPU
+        compiles nothing, so it skips the GPU's prompts.
         """
         if tokens <= 0:
             return
@@ -220,7 +225,9 @@ class Engine:
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
         if mx.default_device().type == mx.DeviceType.gpu:
-            self._run_to_end([Generate(id=-1, prompt_ids=self._long_warmup_ids(tokens), params=params)])
+            long = self._long_warmup_ids(tokens)
+            for ids in (long, long[:MID_WARMUP_TOKENS]):
+                self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
