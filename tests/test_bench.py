@@ -453,8 +453,9 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc == json.loads(out_json.read_text()) and doc["status"] == "ok"
     ag = doc["agent"]
-    assert ag["sizes"] == {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "rounds": 1}
-    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", "mlx_lm.server"}
+    want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "rounds": 1, "warmup_rounds": 0}
+    assert ag["sizes"] == want  # no warm-up round on a CPU
+    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", "mlx_lm.server", "native-engine"}
     assert "mlxrt-http" in ag["servers"], (ag["skipped"], proc.stderr[-3000:])
     for sv in ag["servers"].values():
         t1, t2 = sv["turns"]
@@ -465,6 +466,8 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
         if sv["uncached"] is not None:
             assert sv["uncached"]["ttft_ms"]["n"] == 2 and t2["ttft_vs_uncached"] > 0
     assert all(r["reply_tokens"] == 4 for r in ag["servers"]["mlxrt-http"]["requests"])  # ignore_eos
+    assert ag["servers"]["native-engine"]["uncached"] is None  # the in-process engine has no cache-off run
+    assert ag["same_replies_pct"]["native-engine"] == 100.0  # the engine in-process writes what the server does
     assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
     assert "agents: 2 agents at once x 2 turns" in proc.stdout
     assert Path(doc["outputs"]["png"]).is_file()
