@@ -467,7 +467,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
             assert sv["uncached"]["ttft_ms"]["n"] == 2 and t2["ttft_vs_uncached"] > 0
     assert all(r["reply_tokens"] == 4 for r in ag["servers"]["mlxrt-http"]["requests"])  # ignore_eos
     assert ag["servers"]["native-engine"]["uncached"] is None  # the in-process engine has no cache-off run
-    assert ag["same_replies_pct"]["native-engine"] == 100.0  # the engine in-process writes what the server does
+    assert ag["same_replies_pct"]["native-engine"] == 100.0  # in-process, the same replies as the server
     assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
     assert "agents: 2 agents at once x 2 turns" in proc.stdout
     assert Path(doc["outputs"]["png"]).is_file()
