@@ -27,6 +27,9 @@ def one_sample(model: str, transport: str, spares: int = 0) -> dict:
 
     with Runtime(model=model, transport=transport, spares=spares) as rt:
         rt.generate("warm up", max_tokens=4)
+        t0 = time.perf_counter()  # the same request on the warm worker: what recovery adds to
+        rt.generate("Hello after the crash", max_tokens=8, ignore_eos=True)
+        request_s = time.perf_counter() - t0
         active, *standby = rt.workers
         t0 = time.perf_counter()
         os.kill(active.pid, signal.SIGKILL)
@@ -36,7 +39,8 @@ def one_sample(model: str, transport: str, spares: int = 0) -> dict:
         assert len(c.tokens) == 8 and w.pid != active.pid and w.restarts == 1
         assert not standby or w.pid == standby[0].pid, "the spare did not take over"
         ready = rt.model_info()  # the serving worker's own record of its start
-        return {"recovery_s": total, "spares": spares, "restarts": w.restarts, "transport": rt.transport,
+        return {"recovery_s": total, "request_s": request_s, "spares": spares, "restarts": w.restarts,
+                "transport": rt.transport,
                 "worker_load_s": ready.load_s if ready else None,
                 "worker_warmup_s": ready.warmup_s if ready else None}
 
@@ -64,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         results[str(n)] = {"recovery_ms": s, "samples": got}
         print(f"recovery after SIGKILL (kill -> next successful request), {args.model}, "
               f"{got[0]['transport']}, spares={n}: median {s['median']:.0f} ms "
-              f"[{s['min']:.0f}-{s['max']:.0f}]")
+              f"[{s['min']:.0f}-{s['max']:.0f}]; the same request without a crash: median "
+              f"{spread([x['request_s'] * 1e3 for x in got])['median']:.0f} ms")
     first = results[str(args.spares[0])]
     print(json.dumps({"benchmark": "mlxrt-recovery", "model": args.model, "recovery_ms": first["recovery_ms"],
                       "samples": first["samples"], "by_spares": results, "env": describe()}))
