@@ -28,8 +28,10 @@ def gate(tmp_path, monkeypatch):
 
 def test_spare_takes_over_without_waiting_for_a_load(tiny_model, gate):
     """SIGKILL of the active worker while no new worker can load: the next request is answered by the
-    former spare (it did not wait for a load), and a new spare loads behind it once loads can go on."""
-    with Runtime(model=tiny_model, transport="ring", spares=1, supervision=Supervision(**FAST),
+    former spare (it did not wait for a load). Killed again with no spare ready, the slot waits out a
+    long backoff, but takes the new spare as soon as it has loaded."""
+    slow_restart = Supervision(backoff_initial_s=60, backoff_max_s=60, monitor_interval_s=0.05)
+    with Runtime(model=tiny_model, transport="ring", spares=1, supervision=slow_restart,
                  _worker_argv=GATED) as rt:
         active, spare = rt.workers
         assert (active.spare, spare.spare, spare.state) == (False, True, "ready")
@@ -41,9 +43,16 @@ def test_spare_takes_over_without_waiting_for_a_load(tiny_model, gate):
         serving, behind = rt.workers
         assert (serving.pid, serving.spare, serving.restarts, serving.requests) == (spare.pid, False, 1, 1)
         assert behind.spare and behind.state == "starting"  # held at the gate: no load happened
+        new_spare = wait_for(lambda: rt.workers[1].pid, what="the new spare spawned")
+        assert new_spare not in (active.pid, spare.pid)
+
+        os.kill(spare.pid, signal.SIGKILL)  # no spare ready now: a 60 s backoff
+        wait_for(lambda: rt.workers[0].state == "dead", what="the backoff")
         gate.write_text("open")
-        wait_for(lambda: rt.workers[1].state == "ready", what="the new spare ready")
-        assert rt.workers[1].pid not in (0, active.pid, spare.pid)
+        c = run_with_deadline(lambda: rt.generate("hello", max_tokens=4, ignore_eos=True), 40)
+        assert len(c.tokens) == 4
+        assert (rt.workers[0].pid, rt.workers[0].restarts) == (new_spare, 2)
+        wait_for(lambda: rt.workers[1].state == "ready", what="another spare behind it")
         pids = [w.pid for w in rt.workers]
     assert_stopped(pids)
 

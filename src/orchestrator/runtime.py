@@ -225,11 +225,14 @@ class Pool:
         return slot
 
     def _mind_waiting(self) -> None:
-        """Requests waiting for a worker: move them from a slot without one to a sibling with one;
-        fail each past its deadline (MLXRT_QUEUE_TIMEOUT_S)."""
+        """Slots and requests waiting for a worker: a slot in its restart backoff takes a spare that
+        got ready; a request moves from a slot without a worker to a sibling with one, and fails
+        past its deadline (MLXRT_QUEUE_TIMEOUT_S)."""
         while not self._closed.is_set():
             self._queued.clear()  # before the scan: a request queued during it wakes the next wait
             try:
+                for slot in self.all():
+                    slot.take_spare_now()
                 self._move_waiting()
                 nearest = self._expire_waiting()
             except Exception as exc:  # a bug here must not end every later deadline

@@ -27,7 +27,9 @@ A standby slot (``standby=True``) holds a hot spare: a loaded, warmed-up worker
 that is never sent requests. When an active slot's worker crashes, the slot
 takes a ready spare of its model at once (`hand_over`), instead of waiting
 for a backoff and a load, and the standby slot starts a new spare behind it.
-With no spare ready, the restart goes as in the table. Lock order: an active
+With no spare ready, the restart goes as in the table, except that a slot
+waiting out its backoff takes a spare as soon as one is ready (the pool
+asks it to, `take_spare_now`, when any worker gets ready). Lock order: an active
 slot's lock, then a standby slot's, then a worker handle's; a frame is never
 sent while a slot's lock is held (a send may wait up to `Timeouts.send_s`).
 """
@@ -309,6 +311,15 @@ class Slot:
                     restarts=self.restarts)
         return True
 
+    def take_spare_now(self) -> None:
+        """While waiting out a restart backoff, take a spare that has become ready meanwhile."""
+        with self._lock:
+            if self.state != "dead" or self.handle is not None or not self._adopt_spare():
+                return
+            pending = self._take_pending()
+        for e in pending:
+            self._dispatch(e)
+
     def hand_over(self, on_exit: ExitCallback) -> WorkerHandle | None:
         """Give this standby slot's ready worker away, its death now reported to `on_exit`, and
         start loading a new spare behind it; None if no spare is ready."""
@@ -336,7 +347,7 @@ class Slot:
         if delay_s > 0 and self._wake.wait(delay_s) and self._closing:
             return
         with self._lock:
-            if self._closing:
+            if self._closing or self.handle is not None:  # or a spare took the place meanwhile
                 self._starting = False
                 return
             restart = bool(self._crashes)
