@@ -1,10 +1,12 @@
 """``python -m benchmarks.recovery``: time from a worker's SIGKILL to the next successful request.
 
 Each sample starts a fresh runtime (so every kill is a first crash, with the
-default supervision policy: 0.5 s backoff), warms it, SIGKILLs the worker and
-times a request made right after: it waits for the replacement (backoff,
-process start, model load, warm-up) and must succeed. The last stdout line is
-one JSON document.
+default supervision policy: 0.5 s backoff), warms it, SIGKILLs the active
+worker and times a request made right after: without a spare it waits for
+the replacement (backoff, process start, model load, warm-up); with one
+(``--spares 0,1`` measures both, interleaved A B A B) the spare takes the
+dead worker's place at once. Each request must succeed, and with a spare it
+must be served by the former spare. The last stdout line is one JSON document.
 """
 
 from __future__ import annotations
@@ -20,36 +22,57 @@ from .env import describe
 from .measure import spread
 
 
-def one_sample(model: str, transport: str) -> dict:
+def one_sample(model: str, transport: str, spares: int = 0) -> dict:
     from mlxrt import Runtime
 
-    with Runtime(model=model, transport=transport) as rt:
+    with Runtime(model=model, transport=transport, spares=spares) as rt:
         rt.generate("warm up", max_tokens=4)
-        old = rt.workers[0].pid
+        t0 = time.perf_counter()  # the same request on the warm worker: what recovery adds to
+        rt.generate("Hello after the crash", max_tokens=8, ignore_eos=True)
+        request_s = time.perf_counter() - t0
+        active, *standby = rt.workers
         t0 = time.perf_counter()
-        os.kill(old, signal.SIGKILL)
+        os.kill(active.pid, signal.SIGKILL)
         c = rt.generate("Hello after the crash", max_tokens=8, ignore_eos=True)
         total = time.perf_counter() - t0
-        (w,) = rt.workers
-        assert len(c.tokens) == 8 and w.pid != old and w.restarts == 1
-        return {"recovery_s": total, "restarts": w.restarts, "transport": rt.transport}
+        w = rt.workers[0]
+        assert len(c.tokens) == 8 and w.pid != active.pid and w.restarts == 1
+        assert not standby or w.pid == standby[0].pid, "the spare did not take over"
+        ready = rt.model_info()  # the serving worker's own record of its start
+        return {"recovery_s": total, "request_s": request_s, "spares": spares, "restarts": w.restarts,
+                "transport": rt.transport,
+                "worker_load_s": ready.load_s if ready else None,
+                "worker_warmup_s": ready.warmup_s if ready else None}
+
+
+def _spares(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.recovery", description=__doc__)
     p.add_argument("--model", default="synthetic:small")
-    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--samples", type=int, default=5, help="per --spares value")
     p.add_argument("--transport", default="auto")
+    p.add_argument("--spares", type=_spares, default=[0], help="comma-separated, e.g. 0,1 (default 0)")
     args = p.parse_args(argv)
-    samples = []
+    samples: dict[int, list[dict]] = {n: [] for n in args.spares}
     for i in range(args.samples):
-        samples.append(one_sample(args.model, args.transport))
-        print(f"sample {i + 1}/{args.samples}: {samples[-1]['recovery_s'] * 1e3:.0f} ms", file=sys.stderr)
-    s = spread([x["recovery_s"] * 1e3 for x in samples])
-    print(f"recovery after SIGKILL (kill -> next successful request), {args.model}, "
-          f"{samples[0]['transport']}: median {s['median']:.0f} ms [{s['min']:.0f}-{s['max']:.0f}]")
-    print(json.dumps({"benchmark": "mlxrt-recovery", "model": args.model, "recovery_ms": s,
-                      "samples": samples, "env": describe()}))
+        for n in args.spares:  # interleaved, so drift on a shared machine hits both alike
+            samples[n].append(one_sample(args.model, args.transport, n))
+            print(f"sample {i + 1}/{args.samples}, spares={n}: {samples[n][-1]['recovery_s'] * 1e3:.0f} ms",
+                  file=sys.stderr)
+    results = {}
+    for n, got in samples.items():
+        s = spread([x["recovery_s"] * 1e3 for x in got])
+        results[str(n)] = {"recovery_ms": s, "samples": got}
+        print(f"recovery after SIGKILL (kill -> next successful request), {args.model}, "
+              f"{got[0]['transport']}, spares={n}: median {s['median']:.0f} ms "
+              f"[{s['min']:.0f}-{s['max']:.0f}]; the same request without a crash: median "
+              f"{spread([x['request_s'] * 1e3 for x in got])['median']:.0f} ms")
+    first = results[str(args.spares[0])]
+    print(json.dumps({"benchmark": "mlxrt-recovery", "model": args.model, "recovery_ms": first["recovery_ms"],
+                      "samples": first["samples"], "by_spares": results, "env": describe()}))
     return 0
 
 

@@ -72,7 +72,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     try:
         serve(models, config=config, workers=args.workers, transport=args.transport,
-              log_level=args.log_level, engine=_engine_options(args))
+              log_level=args.log_level, engine=_engine_options(args), spares=args.spares)
     except (MlxrtError, ValueError) as exc:
         print(f"mlxrt: error: {exc}", file=sys.stderr)
         return 1
@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
     srv.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}")
     srv.add_argument("--workers", type=int, default=1, help="worker processes per model")
+    srv.add_argument("--spares", type=int, default=0,
+                     help="hot spares per model: loaded standby workers that take a crashed worker's "
+                          "place at once (default: 0; each holds the model in memory)")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MLXRT_API_KEY)")
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")

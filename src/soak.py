@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import bisect
 import csv
 import dataclasses
 import json
@@ -59,6 +60,9 @@ WARMUP_MAX_FRACTION = 0.5  # short runs still keep half their samples for the sl
 # Below this much post-warm-up time the slope is mostly allocator noise (2 MB in 12 s reads as 600 MB/h):
 # it is reported, not enforced.
 MIN_LEAK_WINDOW_S = 300.0
+# Warm-up lasts until RSS settles: until the slope over the next SETTLE_WINDOW_S of samples is within the
+# leak limit (kernel compilation for each new prompt shape, caches filling up); never past half the run.
+SETTLE_WINDOW_S = 60.0
 MB = 1 << 20
 
 SAMPLE_COLUMNS = (
@@ -194,6 +198,37 @@ def warmup_seconds(duration_s: float) -> float:
     """Samples before this are left out of the leak slope: 20 % of the run, at least a minute,
     at most half the run."""
     return min(max(WARMUP_FRACTION * duration_s, WARMUP_MIN_S), WARMUP_MAX_FRACTION * duration_s)
+
+
+def settled_after(ts: Sequence[float], rss_bytes: Sequence[float], *, start_s: float, end_s: float,
+                  limit_mb_per_hour: float) -> float:
+    """The first sample time in [start_s, end_s] from which RSS rises no faster than the limit over
+    the next `SETTLE_WINDOW_S` (least squares over those samples); `end_s` if there is none.
+
+    A step (kernels compiled for new shapes) and the climb that trails it end there; a leak never
+    does, so it is judged on what is left of the run.
+    """
+    lo = bisect.bisect_left(ts, start_s)
+    for i in range(lo, len(ts)):
+        if ts[i] > end_s:
+            break
+        j = bisect.bisect_right(ts, ts[i] + SETTLE_WINDOW_S, lo=i)
+        pairs = [(t, y) for t, y in zip(ts[i:j], rss_bytes[i:j], strict=True) if not math.isnan(y)]
+        fit = least_squares_slope([t for t, _ in pairs], [y for _, y in pairs])
+        if fit is None or fit[0] * 3600 / MB <= limit_mb_per_hour:
+            return ts[i]
+    return end_s
+
+
+def leak_warmup_s(ts: Sequence[float], rss_bytes: Sequence[float], duration_s: float,
+                  limit_mb_per_hour: float | None) -> float:
+    """Where the leak slope starts: after `warmup_seconds`, and after RSS settled (`settled_after`,
+    measured against the leak limit; not looked for with no limit), at most half the run."""
+    fixed = warmup_seconds(duration_s)
+    if limit_mb_per_hour is None:
+        return fixed
+    return settled_after(ts, rss_bytes, start_s=fixed, end_s=max(fixed, WARMUP_MAX_FRACTION * duration_s),
+                         limit_mb_per_hour=limit_mb_per_hour)
 
 
 def leak_mb_per_hour(ts: Sequence[float], rss_bytes: Sequence[float], warmup_s: float
@@ -619,7 +654,9 @@ def _probe(rt: Any) -> bool:
 def _summarize(config: SoakConfig, s: Sampler, tally: Tally, kills: list[dict], hung: int,
                recovered: bool | None, transport: str, files: dict[str, str]) -> SoakSummary:
     duration = s.ts[-1] if len(s.ts) else 0.0
-    warm = warmup_seconds(duration)
+    # Warm-up ends once the RSS the threshold applies to has settled: the orchestrator's under chaos.
+    gated = s.rss_orch if kills else s.rss_total
+    warm = leak_warmup_s(s.ts, gated, duration, config.max_leak_mb_per_hour)
     total = leak_mb_per_hour(s.ts, s.rss_total, warm)
     orch = leak_mb_per_hour(s.ts, s.rss_orch, warm)
     first, last = throughput_thirds(s.ts, s.tokens)

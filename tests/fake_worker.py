@@ -7,6 +7,7 @@ and oversized frames. FAKE_MODE picks the fault.
 import os
 import struct
 import sys
+import time
 
 from mlxrt.ipc.protocol import PROTOCOL_VERSION, Generate, Hello, Ready, worker_codec
 from mlxrt.ipc.stdio import PipeReceiver, PipeSender
@@ -21,6 +22,8 @@ def main() -> None:
                                context_length=512, vocab_size=100, load_s=0.0, warmup_s=0.0,
                                mlx_version="fake", mlx_lm_version="fake", device="fake")))
     mode = os.environ["FAKE_MODE"]
+    if mode == "deaf":  # alive, but never reads its input again
+        time.sleep(600)
     while True:
         msg = codec.decode(rx.recv())
         if not isinstance(msg, Generate):

@@ -225,3 +225,40 @@ def test_silent_worker_times_out_in_asyncio_too(tiny_model, monkeypatch):
                 await asyncio.wait_for(rt.generate("hi", max_tokens=4), 10)
 
     asyncio.run(main())
+
+
+def test_worker_that_stops_reading_is_killed_naming_the_setting(tiny_model, monkeypatch):
+    """A worker that stops reading its input: the write gives up after MLXRT_SEND_TIMEOUT_S, the worker is
+    killed and the request ends with an error naming the setting; the slot's lock stays free meanwhile,
+    so no other request or supervision step waits behind the stuck write."""
+    import time
+
+    from mlxrt import MlxrtError
+
+    monkeypatch.setenv("FAKE_MODE", "deaf")
+    with Runtime(model=tiny_model, transport="stdio", timeouts=Timeouts(send_s=3.0), _worker_argv=FAKE,
+                 supervision=Supervision(restart=False)) as rt:
+        (slot,) = rt._pool.all()
+        pid = slot.handle.pid
+        big = "x" * (1 << 20)  # more than a pipe holds: the write waits for a reader that never reads
+        box: dict = {}
+
+        def ask() -> None:
+            try:
+                rt.generate(big, max_tokens=2)
+            except MlxrtError as exc:
+                box["error"] = exc
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        deadline = time.monotonic() + 10
+        while slot.handle.in_flight == 0 and time.monotonic() < deadline:  # the frame is on its way
+            time.sleep(0.01)
+        assert slot.handle.in_flight == 1
+        assert slot._lock.acquire(timeout=1.0), "the slot's lock is held during the write"
+        slot._lock.release()
+        asker.join(30)
+        assert not asker.is_alive(), "the request hung"
+        assert "MLXRT_SEND_TIMEOUT_S" in str(box["error"])
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -540,10 +540,12 @@ def _free_port() -> int:
 
 
 def test_cli_serve_runs_and_stops_cleanly(tiny_model):
-    """`mlxrt serve` serves the Ollama client, then stops itself and its worker on SIGTERM."""
+    """`mlxrt serve --spares 1` serves the Ollama client with a spare standing by (shown in /health,
+    not counted ready), answers to the model's path on both APIs, then stops itself and both workers
+    on SIGTERM."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "serve", "--model", f"tiny={tiny_model}",
-                             "--port", str(port), "--transport", "stdio"],
+                             "--port", str(port), "--transport", "stdio", "--spares", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -558,8 +560,13 @@ def test_cli_serve_runs_and_stops_cleanly(tiny_model):
             why = proc.stderr.read().decode() if proc.poll() is not None else "timeout"
             pytest.fail(f"server did not come up: {why}")
         pids = [w["pid"] for w in health["models"]["tiny"]["workers"]]
+        assert [w["spare"] for w in health["models"]["tiny"]["workers"]] == [False, True]
+        assert health["models"]["tiny"]["ready"] == 1 and len(set(pids)) == 2
         with ollama.Client(host=url) as client:
             assert client.generate(model="tiny", prompt="Hi", options={"num_predict": 3}).done
+            assert client.generate(model=tiny_model, prompt="Hi", options={"num_predict": 3}).done
+        r = httpx.post(url + "/v1/completions", json={"model": tiny_model, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert b"listening on" in proc.stderr.read()

@@ -54,6 +54,55 @@ def test_flat_memory_has_no_leak():
     assert abs(slope) < 4 * stderr + 1
 
 
+def _compile_step(t: float) -> float:
+    """RSS of a worker compiling kernels: 1.6 GB, a 3.4 GB step at 40-75 s (the first long prompts),
+    then 150 MB more as further prompt shapes compile, levelling off (as the H100 soak showed)."""
+    if t < 40:
+        return 1600 * MB
+    if t < 75:
+        return 1600 * MB + (t - 40) / 35 * 3400 * MB
+    return 5000 * MB + 150 * MB * (1 - math.exp(-(t - 75) / 40))
+
+
+def _judge(ts: list[float], rss: list[float], limit: float = 100.0) -> tuple[float, SoakSummary]:
+    """The soak's leak judgement of one series: its warm-up end and the summary the verdict reads."""
+    warm = soak.leak_warmup_s(ts, rss, ts[-1], limit)
+    slope, stderr = soak.leak_mb_per_hour(ts, rss, warm)
+    return warm, make_summary(warmup_s=warm, leak_mb_per_hour=slope, leak_stderr_mb_per_hour=stderr,
+                              leak_gated_on=soak._leak_gate(ts[-1] - warm, killed=False))
+
+
+def test_leak_check_passes_a_compile_step_that_levels_off():
+    """A step and its trailing climb during warm-up, then flat: the warm-up lasts until RSS settled,
+    and the run passes; judged from the fixed warm-up alone it would have failed."""
+    rng = random.Random(11)
+    ts = [float(t) for t in range(0, 601)]
+    rss = [_compile_step(t) + rng.gauss(0, 1 * MB) for t in ts]
+    warm, summary = _judge(ts, rss)
+    assert soak.warmup_seconds(600) < warm < 300
+    assert summary.leak_gated_on == "total"  # enforced: at least MIN_LEAK_WINDOW_S after warm-up
+    assert verdict_passes(summary)
+    fixed, _ = soak.leak_mb_per_hour(ts, rss, soak.warmup_seconds(600))
+    assert fixed > 100  # the failure the H100 soak had
+
+
+def test_leak_check_fails_memory_that_keeps_growing():
+    """The same step, then a steady 300 MB/h: RSS never settles, the warm-up stops at half the run,
+    and the rest of the run fails the check."""
+    rng = random.Random(12)
+    ts = [float(t) for t in range(0, 601)]
+    rss = [_compile_step(t) + max(0.0, t - 75) / 3600 * 300 * MB + rng.gauss(0, 1 * MB) for t in ts]
+    warm, summary = _judge(ts, rss)
+    assert warm == 300
+    assert summary.leak_gated_on == "total" and summary.leak_mb_per_hour > 250
+    assert not verdict_passes(summary)
+
+
+def verdict_passes(summary: SoakSummary) -> bool:
+    failures = soak.verdict(summary, SoakConfig(max_leak_mb_per_hour=100))
+    return not [f for f in failures if "--max-leak-mb-per-hour" in f]
+
+
 @pytest.mark.parametrize(("duration", "warm"), [(30, 15), (600, 120), (8 * 3600, 0.2 * 8 * 3600)])
 def test_warmup_is_a_fifth_at_least_a_minute_at_most_half(duration, warm):
     """Warm-up is 20 % of the run, at least 60 s, never more than half the run."""

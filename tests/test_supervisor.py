@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import time
@@ -10,7 +11,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mlxrt import MemoryPressureError, ModelFailedError, Runtime, Supervision, WorkerDied
+from mlxrt import (
+    MemoryPressureError,
+    MlxrtTimeout,
+    ModelFailedError,
+    Runtime,
+    Supervision,
+    Timeouts,
+    WorkerDied,
+)
+from mlxrt.ipc.protocol import Done, Tokens
+from mlxrt.orchestrator.runtime import build_request
 from test_faults import run_with_deadline
 
 FLAKY = [sys.executable, str(Path(__file__).with_name("flaky_worker.py"))]
@@ -176,3 +187,52 @@ def test_graceful_close_lets_running_requests_finish(tiny_model):
     rest = run_with_deadline(lambda: list(stream), 5)
     assert stream.finish_reason == "length"
     assert 1 + sum(len(c.tokens) for c in rest) == 64
+
+
+def test_request_waiting_for_a_worker_ends_at_its_deadline(tiny_model, tmp_path, monkeypatch):
+    """No replacement can load: a request waiting for one fails with MlxrtTimeout naming
+    MLXRT_QUEUE_TIMEOUT_S at its deadline, not after the token timeout; the pool serves again later."""
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    monkeypatch.setenv("GATE_FILE", str(gate))
+    gated = [sys.executable, str(Path(__file__).with_name("gated_worker.py"))]
+    with Runtime(model=tiny_model, transport="stdio", timeouts=Timeouts(queue_s=1.0),
+                 supervision=Supervision(**FAST), _worker_argv=gated) as rt:
+        gate.write_text("closed")
+        os.kill(rt.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(MlxrtTimeout, match="within 1 s .*MLXRT_QUEUE_TIMEOUT_S"):
+            run_with_deadline(lambda: rt.generate("hello", max_tokens=2), 20)
+        gate.write_text("open")
+        wait_for(lambda: rt.workers[0].state == "ready", what="the replacement ready")
+        assert rt.generate("hello", max_tokens=2).tokens
+
+
+def test_waiting_requests_move_to_a_sibling_with_a_worker(tiny_model, tmp_path, monkeypatch):
+    """A request waiting in a slot whose worker died (and cannot be replaced yet) does not wait for
+    that restart while a sibling worker of the model is ready: it is served there."""
+    gate = tmp_path / "gate"
+    gate.write_text("open")
+    monkeypatch.setenv("GATE_FILE", str(gate))
+    gated = [sys.executable, str(Path(__file__).with_name("gated_worker.py"))]
+    with Runtime(model=tiny_model, workers=2, transport="stdio", supervision=Supervision(**FAST),
+                 _worker_argv=gated) as rt:
+        dead, live = rt._pool.slots[rt.models[0]]
+        gate.write_text("closed")
+        os.kill(dead.handle.pid, signal.SIGKILL)
+        wait_for(lambda: not dead.serving, what="the death noticed")
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        # Straight to the dead slot (routing would pick the live one): it waits there, then moves.
+        dead.submit(build_request(rt._pool.next_id(), "hello", {"max_tokens": 3, "ignore_eos": True}),
+                    events.put)
+        done = run_with_deadline(lambda: _last_event(events), 30)
+        assert isinstance(done, Done) and done.stats.finish_reason == "length"
+        assert live.handle.info().requests == 1
+        gate.write_text("open")
+
+
+def _last_event(events: queue.SimpleQueue) -> object:
+    """The request's terminal event (Done, Failed or an error), skipping its Tokens."""
+    while True:
+        event = events.get(timeout=60)
+        if not isinstance(event, Tokens):
+            return event

@@ -12,6 +12,7 @@ import os
 import select
 import struct
 import threading
+import time
 
 from .channel import MAX_FRAME_BYTES, ChannelClosed, ChannelCorrupt
 
@@ -30,7 +31,7 @@ class PipeSender:
     """Writes frames to a pipe fd; safe to call from several threads.
 
     The fd is made non-blocking so `try_send` can refuse instead of waiting;
-    `send` waits for room with `select`.
+    `send` waits for room with `poll`, for at most its `timeout`.
     """
 
     def __init__(self, fd: int) -> None:
@@ -42,22 +43,43 @@ class PipeSender:
     def fileno(self) -> int:
         return self._fd
 
-    def send(self, frame: bytes | bytearray | memoryview) -> None:
+    def send(self, frame: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        """Write the frame whole; with `timeout` (s), raise `TimeoutError` if the pipe (or another
+        thread's send) does not take it in time. A frame cut off by the timeout leaves the pipe
+        unusable: the sender closes itself and later sends raise `ChannelClosed`."""
         n = len(frame)
         if n > MAX_FRAME_BYTES:
             raise ValueError(f"frame of {n} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
         data = memoryview(_LEN.pack(n) + bytes(frame))
-        with self._lock:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"pipe busy with another frame for {timeout:g} s")
+        try:
             if self._closed:
                 raise ChannelClosed("pipe sender is closed")
-            try:
-                while data:
-                    try:
-                        data = data[os.write(self._fd, data) :]
-                    except BlockingIOError:
+            self._write_all(data, deadline)
+        finally:
+            self._lock.release()
+
+    def _write_all(self, data: memoryview, deadline: float | None) -> None:
+        total = len(data)
+        try:
+            while data:
+                try:
+                    data = data[os.write(self._fd, data) :]
+                except BlockingIOError:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and (left <= 0 or not _wait(self._fd, select.POLLOUT, left)):
+                        if len(data) < total:
+                            self._closed = True  # half a frame is in the pipe: nothing can follow it
+                        raise TimeoutError(f"pipe full: {total - len(data)} of {total} bytes written "
+                                           "before the timeout") from None
+                    if left is None:
                         _wait(self._fd, select.POLLOUT, None)
-            except OSError as exc:
-                raise ChannelClosed(f"peer closed the pipe: {exc}") from exc
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise ChannelClosed(f"peer closed the pipe: {exc}") from exc
 
     def try_send(self, frame: bytes | bytearray | memoryview) -> bool:
         """Write the frame in one atomic write (at most PIPE_BUF bytes) or not at all."""

@@ -11,6 +11,10 @@ from ..ipc.protocol import EngineOptions
 DEFAULT_READY_TIMEOUT_S = 300.0
 DEFAULT_TOKEN_TIMEOUT_S = 300.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+#: As long as a load may take: a request that arrives while its model loads must outlive the load.
+DEFAULT_QUEUE_TIMEOUT_S = 300.0
+#: A worker reads its input on a thread of its own: a pipe full this long means it is hung.
+DEFAULT_SEND_TIMEOUT_S = 30.0
 DEFAULT_WARMUP_TOKENS = 4
 
 
@@ -29,11 +33,21 @@ def _env_float(name: str, default: float) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class Timeouts:
-    """Every wait the orchestrator makes, in seconds, with the variable that sets it."""
+    """Every wait the orchestrator makes, in seconds, with the variable that sets it.
+
+    ready_s: a worker's start (MLXRT_READY_TIMEOUT_S). token_s: the gap between a
+    request's events (MLXRT_TOKEN_TIMEOUT_S). shutdown_s: a worker's exit
+    (MLXRT_SHUTDOWN_TIMEOUT_S). queue_s: from a request's submission until a worker
+    takes it, while it waits for one (queued, or replayed after a crash;
+    MLXRT_QUEUE_TIMEOUT_S). send_s: one frame's write to a worker's input; a worker
+    that does not read it that long is killed (MLXRT_SEND_TIMEOUT_S).
+    """
 
     ready_s: float = DEFAULT_READY_TIMEOUT_S
     token_s: float = DEFAULT_TOKEN_TIMEOUT_S
     shutdown_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    queue_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    send_s: float = DEFAULT_SEND_TIMEOUT_S
 
     @classmethod
     def from_env(cls) -> Timeouts:
@@ -41,6 +55,8 @@ class Timeouts:
             ready_s=_env_float("MLXRT_READY_TIMEOUT_S", DEFAULT_READY_TIMEOUT_S),
             token_s=_env_float("MLXRT_TOKEN_TIMEOUT_S", DEFAULT_TOKEN_TIMEOUT_S),
             shutdown_s=_env_float("MLXRT_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S),
+            queue_s=_env_float("MLXRT_QUEUE_TIMEOUT_S", DEFAULT_QUEUE_TIMEOUT_S),
+            send_s=_env_float("MLXRT_SEND_TIMEOUT_S", DEFAULT_SEND_TIMEOUT_S),
         )
 
 

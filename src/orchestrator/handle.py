@@ -3,7 +3,13 @@
 Death is noticed by the kernel: when the worker exits for any reason its end
 of the frame channel closes, the reader thread gets EOF and every request in
 flight fails at once with `WorkerDied`. A malformed frame is treated the same
-way (the worker is stopped: its channel can no longer be trusted).
+way (the worker is stopped: its channel can no longer be trusted), and so is a
+worker that does not read its input within `Timeouts.send_s`: every write to
+it has that limit, and a cut-off frame would leave its input unusable anyway.
+
+Whoever takes a request out of `_sinks` owns its end: the reader thread (its
+Done or Failed), the death path (every entry left when the worker is gone),
+or `submit` itself when the frame could not be sent.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from ..ipc.channel import ChannelClosed, ChannelCorrupt, Receiver, Sender
+from ..ipc.channel import ChannelClosed, ChannelCorrupt, Receiver
 from ..ipc.protocol import (
     PROTOCOL_VERSION,
     Attached,
@@ -65,6 +71,9 @@ class Entry:
     replayed: bool = False
     #: The caller cancelled it: it ends as cancelled, never replayed.
     cancelled: bool = False
+    #: While it waits for a worker (queued, or replayed after a crash), it fails at this
+    #: `time.monotonic()` (its submission plus `Timeouts.queue_s`).
+    deadline: float = float("inf")
 
 
 #: on_exit(handle, error, entries): called once from the reader thread when the worker is gone,
@@ -111,6 +120,8 @@ class WorkerInfo:
     #: Of `in_flight`: sequences in the worker's batch, and requests waiting for a place in it.
     batch_size: int = 0
     queued: int = 0
+    #: A hot spare: loaded and warmed up, standing by for a crashed worker's place; never sent requests.
+    spare: bool = False
 
 
 def _discard(_event: object) -> None:
@@ -157,6 +168,8 @@ class WorkerHandle:
         self._codec = orchestrator_codec()
         self._ring = None
         self._reading = False
+        #: Why this side killed the worker (a send timeout), for the error its requests get.
+        self._kill_reason: WorkerDied | None = None
         self.ready: Ready | None = None
         self.death: WorkerDied | None = None
         #: Set when the worker is gone: True unless it was asked to stop.
@@ -192,7 +205,7 @@ class WorkerHandle:
             bufsize=0,
         )
         self.pid = self.proc.pid
-        self._tx: Sender = PipeSender(os.dup(self.proc.stdin.fileno()))
+        self._tx = PipeSender(os.dup(self.proc.stdin.fileno()))
         self.proc.stdin.close()
         self._rx: Receiver
         if self._ring is not None:
@@ -268,7 +281,7 @@ class WorkerHandle:
             if self._state == "ready":
                 self._state = "stopping"
         try:
-            self._tx.send(self._codec.encode(Shutdown()))
+            self._send(self._codec.encode(Shutdown()))
         except ChannelClosed:
             pass
         try:
@@ -305,20 +318,55 @@ class WorkerHandle:
             return None
 
     # -- requests -----------------------------------------------------------
-    def submit(self, req: Generate, sink: Sink, *, replayed: bool = False) -> None:
-        """Send a request; events for it go to `sink` from the reader thread."""
-        frame = self._codec.encode(req)
+    def submit(self, entry: Entry) -> None:
+        """Send a request; its events go to `entry.sink` from the reader thread.
+
+        Raises `WorkerDied` if the worker is not ready or the frame could not be sent:
+        the request is then the caller's again. If the worker died while the frame
+        was on its way, the death path owns the request and this returns.
+        """
+        frame = self._codec.encode(entry.req)
         with self._lock:
             if self._state != "ready":
                 raise self.death or WorkerDied(f"worker {self.name} (pid {self.pid}) is {self._state}")
-            self._sinks[req.id] = Entry(req, sink, replayed=replayed)
+            self._sinks[entry.req.id] = entry
             self._requests += 1
         try:
-            self._tx.send(frame)
+            self._send(frame)
         except ChannelClosed:
             with self._lock:
-                self._sinks.pop(req.id, None)
-            raise self.death or WorkerDied(f"worker {self.name} (pid {self.pid}) is gone") from None
+                mine = self._sinks.get(entry.req.id) is entry
+                if mine:
+                    del self._sinks[entry.req.id]
+            if mine:
+                gone = WorkerDied(f"worker {self.name} (pid {self.pid}) is gone")
+                raise self.death or self._kill_reason or gone from None
+
+    def adopt(self, on_exit: ExitCallback) -> bool:
+        """Send this worker's death to `on_exit` from now on; False if it is already gone (or going)."""
+        with self._lock:
+            if self._state != "ready":
+                return False
+            self._on_exit = on_exit
+            return True
+
+    def _send(self, frame: bytes) -> None:
+        """Write one frame within `Timeouts.send_s`; raise `ChannelClosed` if the worker is gone.
+
+        A worker that does not take the frame in time is killed: the reader thread then sees
+        EOF and ends its requests with an error naming MLXRT_SEND_TIMEOUT_S.
+        """
+        limit = self._timeouts.send_s
+        try:
+            self._tx.send(frame, timeout=limit)
+        except TimeoutError:
+            self._kill_reason = WorkerDied(
+                f"worker {self.name} (pid {self.pid}) did not read its input for {limit:g} s and was "
+                "killed (set MLXRT_SEND_TIMEOUT_S)"
+            )
+            log.error("worker.send_timeout", worker=self.name, pid=self.pid, timeout_s=limit)
+            self.proc.kill()
+            raise ChannelClosed(str(self._kill_reason)) from None
 
     def cancel(self, req_id: int, *, discard: bool = False) -> None:
         """Stop a request between two tokens; with `discard`, drop its remaining events.
@@ -333,7 +381,7 @@ class WorkerHandle:
             if discard:
                 entry.sink = _discard
         try:
-            self._tx.send(self._codec.encode(Cancel(req_id)))
+            self._send(self._codec.encode(Cancel(req_id)))
         except ChannelClosed:
             pass
 
@@ -343,7 +391,7 @@ class WorkerHandle:
         done: tuple[threading.Event, list[Pong]] = (threading.Event(), [])
         self._pings[seq] = done
         try:
-            self._tx.send(self._codec.encode(Ping(seq)))
+            self._send(self._codec.encode(Ping(seq)))
             done[0].wait(timeout)
         except ChannelClosed:
             pass
@@ -357,7 +405,7 @@ class WorkerHandle:
     def clear_cache(self) -> None:
         """Ask the worker to free MLX's buffer cache between requests."""
         try:
-            self._tx.send(self._codec.encode(ClearCache()))
+            self._send(self._codec.encode(ClearCache()))
         except ChannelClosed:
             pass
 
@@ -435,9 +483,10 @@ class WorkerHandle:
             self._state = "dead"
             if error is None:
                 how = "was stopped" if stopping else f"died (exit code {code})"
-                error = WorkerDied(f"worker {self.name} (pid {self.pid}) {how}")
+                error = self._kill_reason or WorkerDied(f"worker {self.name} (pid {self.pid}) {how}")
             self.death = error
             entries, self._sinks = list(self._sinks.values()), {}
+            on_exit = self._on_exit  # read under the lock: `adopt` may have just changed it
         try:
             self._rx.close()
             for _, waiter in list(self._pings.items()):
@@ -447,7 +496,10 @@ class WorkerHandle:
                 in_flight=len(entries), stderr=None if stopping else self._last_stderr(),
             )
         finally:  # whatever happens above, the requests in flight must be ended
-            self._on_exit(self, error, entries)
+            try:
+                on_exit(self, error, entries)
+            finally:
+                self._tx.close()  # after the requests' ends: it may wait for a send that is failing
 
     def _pump_stderr(self) -> None:
         decoder = msgspec.json.Decoder(dict)

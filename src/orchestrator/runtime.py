@@ -46,6 +46,8 @@ from .supervisor import Slot
 log = structlog.get_logger("mlxrt.orchestrator")
 
 TRANSPORTS = ("auto", "ring", "stdio")
+#: With no request waiting for a worker, `Pool._mind_waiting` still looks this often (s).
+IDLE_DEADLINE_CHECK_S = 5.0
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
@@ -129,7 +131,11 @@ def _raw(req: Generate, chat: object) -> Generate:
 
 
 class Pool:
-    """Supervised worker slots for one or more models, started together, stopped together."""
+    """Supervised worker slots for one or more models, started together, stopped together.
+
+    Per model: `workers` active slots, which requests are routed to, and `spares`
+    standby slots, whose ready workers take a crashed active worker's place.
+    """
 
     def __init__(
         self,
@@ -143,11 +149,14 @@ class Pool:
         cache_limit_bytes: int | None,
         engine: EngineOptions | None = None,
         worker_argv: list[str] | None = None,
+        spares: int = 0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"invalid transport={transport!r}: must be one of {TRANSPORTS}")
         if workers < 1:
             raise ValueError(f"invalid workers={workers!r}: must be >= 1")
+        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+            raise ValueError(f"invalid spares={spares!r}: must be an integer >= 0")
         if not models:
             raise ValueError("invalid model: name at least one model")
         self.timeouts = timeouts
@@ -158,10 +167,13 @@ class Pool:
         self.pressure = "normal"
         self._ids = itertools.count(1)
         self._closed = threading.Event()
+        #: Set when a request starts waiting for a worker, or a worker gets ready: wakes `_mind_waiting`.
+        self._queued = threading.Event()
         #: (slot, request id) of streams dropped without close(): cancelled by the monitor thread.
         self.dropped: queue.SimpleQueue = queue.SimpleQueue()
         targets = {name: resolve_model(ref) for name, ref in models.items()}
         self.slots: dict[str, list[Slot]] = {}
+        self.spares: dict[str, list[Slot]] = {}
         for name, target in targets.items():
             spawn = functools.partial(
                 WorkerHandle,
@@ -174,10 +186,13 @@ class Pool:
                 engine=self.engine,
                 argv=worker_argv,
             )
-            self.slots[name] = [
-                Slot(name, lambda on_exit, spawn=spawn: spawn(on_exit=on_exit), supervision)
-                for _ in range(workers)
-            ]
+            make = functools.partial(
+                Slot, name, lambda on_exit, spawn=spawn: spawn(on_exit=on_exit), supervision,
+                queue_s=timeouts.queue_s, wake=self._queued.set,
+            )
+            take = functools.partial(self._take_spare, name)
+            self.slots[name] = [make(take_spare=take) for _ in range(workers)]
+            self.spares[name] = [make(standby=True) for _ in range(spares)]
         try:
             for slot in self.all():
                 slot.begin()
@@ -189,9 +204,24 @@ class Pool:
         self.default_model = next(iter(self.slots))
         self._monitor = threading.Thread(target=self._watch, name="mlxrt-monitor", daemon=True)
         self._monitor.start()
+        self._waiting = threading.Thread(target=self._mind_waiting, name="mlxrt-waiting", daemon=True)
+        self._waiting.start()
 
     def all(self) -> list[Slot]:
-        return [s for ss in self.slots.values() for s in ss]
+        """Every slot: the active ones, then the spares."""
+        return [s for ss in (*self.slots.values(), *self.spares.values()) for s in ss]
+
+    def _take_spare(self, model: str, on_exit) -> WorkerHandle | None:
+        """A ready spare worker of `model`, handed over to `on_exit`'s slot; None if none is ready."""
+        for spare in self.spares[model]:
+            handle = spare.hand_over(on_exit)
+            if handle is not None:
+                return handle
+        return None
+
+    def model_spares(self, model: str | None) -> list[Slot]:
+        self.model_slots(model)  # the same error for an unknown model
+        return self.spares[model or self.default_model]
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -224,9 +254,40 @@ class Pool:
         slot.submit(req, sink, keep_alive_s)
         return slot
 
+    def _mind_waiting(self) -> None:
+        """Slots and requests waiting for a worker: a slot in its restart backoff takes a spare that
+        got ready; a request moves from a slot without a worker to a sibling with one, and fails
+        past its deadline (MLXRT_QUEUE_TIMEOUT_S)."""
+        while not self._closed.is_set():
+            self._queued.clear()  # before the scan: a request queued during it wakes the next wait
+            try:
+                for slot in self.all():
+                    slot.take_spare_now()
+                self._move_waiting()
+                nearest = self._expire_waiting()
+            except Exception as exc:  # a bug here must not end every later deadline
+                log.error("pool.waiting_failed", error=repr(exc))
+                nearest = None
+            wait_s = IDLE_DEADLINE_CHECK_S if nearest is None else nearest - time.monotonic()
+            self._queued.wait(min(max(wait_s, 0.0), IDLE_DEADLINE_CHECK_S))
+
+    def _expire_waiting(self) -> float | None:
+        """Fail the requests past their deadline; the nearest deadline still ahead (monotonic s)."""
+        now = time.monotonic()
+        return min((d for d in (s.expire(now) for s in self.all()) if d is not None), default=None)
+
+    def _move_waiting(self) -> None:
+        for slots in self.slots.values():
+            live = [s for s in slots if s.serving]
+            if not live:
+                continue
+            for slot in slots:
+                for entry in slot.steal_waiting():
+                    min(live, key=lambda s: s.routing_key).dispatch(entry)
+
     def _watch(self) -> None:
-        """Cancel dropped streams at once; once a tick, unload idle workers and apply the
-        memory-pressure policy."""
+        """Cancel dropped streams at once; once a tick, unload idle workers (their spares with
+        them) and apply the memory-pressure policy."""
         interval = self.supervision.monitor_interval_s
         last_clear = 0.0
         next_tick = time.monotonic() + interval
@@ -243,8 +304,9 @@ class Pool:
             next_tick = time.monotonic() + interval
             for slot in self.all():
                 keep = slot.keep_alive_s
-                if keep is not None and slot.idle_for() > keep:
+                if not slot.standby and keep is not None and slot.idle_for() > keep:
                     slot.unload()
+            self.follow_spares()
             level = read_level()
             if level != self.pressure:
                 log.warning("memory.pressure", level=level, was=self.pressure)
@@ -257,9 +319,21 @@ class Pool:
                         if slot.handle is not None:
                             slot.handle.clear_cache()
 
+    def follow_spares(self) -> None:
+        """Spares are loaded while their model is: unloaded with its last active worker,
+        loaded again with its first."""
+        for model, spares in self.spares.items():
+            unloaded = all(s.state == "unloaded" for s in self.slots[model])
+            for spare in spares:
+                if unloaded:
+                    spare.unload()
+                elif spare.state == "unloaded":
+                    spare.load()
+
     def close(self, drain_s: float = 0.0) -> None:
         """Stop every worker (in parallel); idempotent."""
         self._closed.set()
+        self._queued.set()  # wake the deadline thread so it sees the close
         self.dropped.put((None, 0))  # wake the monitor thread so it sees the close
         threads = [threading.Thread(target=s.close, args=(drain_s,)) for s in self.all()]
         for t in threads:
@@ -535,6 +609,10 @@ class Runtime:
     decode_concurrency, prompt_concurrency, prefill_step_size,
     prompt_cache_bytes); by default the ``MLXRT_*`` variables of the same
     names, else laptop-sized defaults.
+
+    `spares` hot spares per model (default 0): loaded, warmed-up workers that
+    take no requests and take a crashed worker's place at once, a new spare
+    loading behind each (docs/supervision.md). Each holds the model in memory.
     """
 
     def __init__(
@@ -549,6 +627,7 @@ class Runtime:
         warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
         cache_limit_bytes: int | None = None,
         engine: EngineOptions | None = None,
+        spares: int = 0,
         _worker_argv: list[str] | None = None,
     ) -> None:
         _ensure_logging()
@@ -562,6 +641,7 @@ class Runtime:
             cache_limit_bytes=cache_limit_bytes,
             engine=engine,
             worker_argv=_worker_argv,  # tests substitute fake workers here
+            spares=spares,
         )
         # Stop the workers even if the caller forgets: at garbage collection or interpreter exit.
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -572,6 +652,7 @@ class Runtime:
 
     @property
     def workers(self) -> list[WorkerInfo]:
+        """Every worker, the spares last (``spare=True``)."""
         return [s.info() for s in self._pool.all()]
 
     @property
@@ -614,22 +695,27 @@ class Runtime:
         return [m for m in found if m is not None]
 
     def reset(self, model: str | None = None) -> None:
-        """Clear a failed model's crash record and start its workers again."""
-        for slot in self._pool.model_slots(model):
+        """Clear a failed model's crash record and start its workers (and spares) again."""
+        for slot in self._pool.model_slots(model) + self._pool.model_spares(model):
             slot.reset()
 
     def unload(self, model: str | None = None) -> int:
-        """Stop the model's idle workers now (they reload on the next request); returns how many."""
-        return sum(slot.unload() for slot in self._pool.model_slots(model))
+        """Stop the model's idle workers now (they reload on the next request); returns how many,
+        its spares not counted (they go too, and come back with the model)."""
+        unloaded = sum(slot.unload() for slot in self._pool.model_slots(model))
+        self._pool.follow_spares()
+        return unloaded
 
     def load(self, model: str | None = None, keep_alive: float | None = None) -> None:
-        """Start the model's unloaded workers in the background; `keep_alive` as in `stream`."""
+        """Start the model's unloaded workers (and spares) in the background; `keep_alive` as in
+        `stream`."""
         keep = _keep_alive(keep_alive)
         for slot in self._pool.model_slots(model):
             if keep is not None:
                 slot.keep_alive_s = keep
             slot.touch()
             slot.load()
+        self._pool.follow_spares()
 
     def close(self, drain_s: float = 0.0) -> None:
         """Stop every worker; idempotent. With `drain_s`, running requests get that long to

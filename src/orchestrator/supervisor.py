@@ -16,8 +16,22 @@ When a worker dies, requests that had produced tokens fail at once with
 `WorkerDied`; requests that had not (queued in the worker, or sent in the
 instant before the death was noticed) are replayed once on the replacement,
 so a caller who asks right after a crash gets an answer. Requests that arrive
-while no worker is ready wait in the slot's pending queue (bounded by the
-caller's token timeout) rather than failing.
+while no worker is ready wait in the slot's pending queue rather than failing,
+each until its deadline, `Timeouts.queue_s` after its submission (a replayed
+request keeps the deadline it had): then it fails with `MlxrtTimeout` naming
+MLXRT_QUEUE_TIMEOUT_S (`Pool` runs the clock, `Slot.expire`). Meanwhile the
+pool moves them to a sibling slot of the same model that has a live worker,
+if there is one (`Slot.steal_waiting`).
+
+A standby slot (``standby=True``) holds a hot spare: a loaded, warmed-up worker
+that is never sent requests. When an active slot's worker crashes, the slot
+takes a ready spare of its model at once (`hand_over`), instead of waiting
+for a backoff and a load, and the standby slot starts a new spare behind it.
+With no spare ready, the restart goes as in the table, except that a slot
+waiting out its backoff takes a spare as soon as one is ready (the pool
+asks it to, `take_spare_now`, when any worker gets ready). Lock order: an active
+slot's lock, then a standby slot's, then a worker handle's; a frame is never
+sent while a slot's lock is held (a send may wait up to `Timeouts.send_s`).
 """
 
 from __future__ import annotations
@@ -32,26 +46,51 @@ from dataclasses import replace
 import structlog
 
 from ..ipc.protocol import Done, Generate, Ready, Stats
-from .config import Supervision
-from .errors import ModelFailedError, WorkerDied
+from .config import DEFAULT_QUEUE_TIMEOUT_S, Supervision
+from .errors import MlxrtTimeout, ModelFailedError, WorkerDied
 from .handle import Entry, ExitCallback, Sink, WorkerHandle, WorkerInfo, WorkerMemory
 
 log = structlog.get_logger("mlxrt.orchestrator")
 
 #: spawn(on_exit) starts a worker process and returns its handle, not yet ready.
 Spawn = Callable[[ExitCallback], WorkerHandle]
+#: take_spare(on_exit): a ready spare of the slot's model, now reporting its death to on_exit; or None.
+TakeSpare = Callable[[ExitCallback], "WorkerHandle | None"]
+
+
+def _no_spare(_on_exit: ExitCallback) -> WorkerHandle | None:
+    return None
+
+
+def _nothing() -> None:
+    pass
 
 _slot_names = itertools.count(1)
 
 
 class Slot:
-    """One supervised worker position for one model."""
+    """One supervised worker position for one model (a hot spare's, with ``standby``)."""
 
-    def __init__(self, model_name: str, spawn: Spawn, policy: Supervision) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        spawn: Spawn,
+        policy: Supervision,
+        *,
+        queue_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        standby: bool = False,
+        take_spare: TakeSpare = _no_spare,
+        wake: Callable[[], None] = _nothing,
+    ) -> None:
         self.name = f"s{next(_slot_names)}"
         self.model_name = model_name
+        self.standby = standby
         self._spawn = spawn
         self._policy = policy
+        self._queue_s = queue_s
+        self._take_spare = take_spare
+        #: Tells the pool that a request started waiting or a worker got ready (`Pool._mind_waiting`).
+        self._wake_pool = wake
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.handle: WorkerHandle | None = None
@@ -101,7 +140,9 @@ class Slot:
         return self.state == "failed"
 
     def submit(self, req: Generate, sink: Sink, keep_alive_s: float | None = None) -> None:
-        """Send `req` to this slot's worker, or hold it until a worker is ready."""
+        """Send `req` to this slot's worker, or hold it until a worker is ready (at most
+        `queue_s` from now; then its sink gets `MlxrtTimeout`)."""
+        entry = Entry(req, sink, deadline=time.monotonic() + self._queue_s)
         with self._lock:
             if self.state == "failed":
                 raise ModelFailedError(self._failure)
@@ -110,15 +151,75 @@ class Slot:
             self.last_used = time.monotonic()
             if keep_alive_s is not None:
                 self.keep_alive_s = keep_alive_s
-            h = self.handle
-            if h is not None and h.alive:
-                try:
-                    h.submit(req, sink)
-                    return
-                except WorkerDied:
-                    pass  # died this instant: hold the request for the replacement
-            self._pending.append(Entry(req, sink))
+        self._dispatch(entry)
+
+    def _dispatch(self, entry: Entry) -> None:
+        """Send `entry` to the worker, outside the slot's lock; if there is none, or it is gone
+        by the time the frame goes, hold the entry for the next one. Errors go to its sink."""
+        tried: WorkerHandle | None = None
+        while True:
+            with self._lock:
+                h = self.handle
+                if h is None or not h.alive or h is tried:
+                    error = self._hold(entry, start=h is None)
+                    break
+            try:
+                h.submit(entry)
+                return
+            except WorkerDied:
+                tried = h  # gone this instant: its death path replaces it; look once more
+        if error is not None:
+            entry.sink(error)
+
+    def _hold(self, entry: Entry, *, start: bool) -> BaseException | None:
+        """Queue `entry` for the next worker (starting one if `start`); or the error that ends it
+        now instead. Lock held."""
+        if self.state == "failed":
+            return ModelFailedError(self._failure)
+        if self._closing:
+            return WorkerDied(f"runtime closed before request {entry.req.id} started")
+        self._pending.append(entry)
+        if start:
             self._ensure_starting(0.0)
+        self._wake_pool()
+        return None
+
+    def _take_pending(self) -> list[Entry]:
+        """Everything waiting, for a worker that is ready now. Lock held."""
+        pending, self._pending = list(self._pending), deque()
+        return pending
+
+    @property
+    def serving(self) -> bool:
+        """Whether a request sent now goes straight to a live worker."""
+        h = self.handle
+        return not self.standby and h is not None and h.alive
+
+    def dispatch(self, entry: Entry) -> None:
+        """Take over a request that waited in a sibling slot without a worker."""
+        self._dispatch(entry)
+
+    def steal_waiting(self) -> list[Entry]:
+        """The requests waiting here, taken away for a sibling slot with a worker; none if this
+        slot has one itself."""
+        with self._lock:
+            return [] if self.serving else self._take_pending()
+
+    def expire(self, now: float) -> float | None:
+        """End with `MlxrtTimeout` the requests that waited for a worker past their deadline;
+        return the nearest deadline still ahead, if any (monotonic s)."""
+        with self._lock:
+            late = [e for e in self._pending if e.deadline <= now]
+            for e in late:
+                self._pending.remove(e)
+            nearest = min((e.deadline for e in self._pending), default=None)
+            state = self.state
+        for e in late:
+            e.sink(MlxrtTimeout(
+                f"request {e.req.id} got no worker of model {self.model_name!r} within {self._queue_s:g} s "
+                f"(slot {self.name} is {state}; set MLXRT_QUEUE_TIMEOUT_S)"
+            ))
+        return nearest
 
     def cancel(self, req_id: int, *, discard: bool) -> None:
         with self._lock:
@@ -137,30 +238,39 @@ class Slot:
 
     # -- death and restart --------------------------------------------------
     def _on_exit(self, handle: WorkerHandle, error: WorkerDied, entries: list[Entry]) -> None:
-        """Called by a worker's reader thread once it is gone."""
-        fail: list[tuple[Entry, BaseException]] = []
+        """Called by a worker's reader thread once it is gone: end or replay its requests."""
+        ends: list[tuple[Entry, object]] = []
         with self._lock:
             crashed = handle.crashed and not self._closing
-            if crashed and handle is self.handle:
+            if handle is self.handle:
                 self.handle = None
-                fail += self._record_crash(str(error))
-            replacing = crashed and self.state != "failed"
+                if crashed:
+                    ends += self._record_crash(str(error))
+                else:  # stopped on purpose: close
+                    self.state = "stopped"
+            replay = not self._closing and self.state != "failed"
             for e in reversed(entries):  # appendleft: keep their order, ahead of newer requests
                 if e.cancelled:
-                    fail.append((e, Done(id=e.req.id, stats=Stats(finish_reason="cancelled"))))
-                elif replacing and not e.started and not e.replayed:
+                    ends.append((e, Done(id=e.req.id, stats=Stats(finish_reason="cancelled"))))
+                elif replay and not e.started and not e.replayed:
                     e.replayed = True
                     self._pending.appendleft(e)
                 else:
-                    fail.append((e, error))
-            if not crashed and handle is self.handle:  # stopped on purpose: close
-                self.handle = None
-                self.state = "stopped"
-        for e, event in fail:
+                    ends.append((e, error))
+            ready = self.handle
+            flush = self._take_pending() if ready is not None and self._pending else []
+            if self._pending:
+                if ready is None:  # e.g. a worker unloaded just as a request reached it
+                    self._ensure_starting(0.0)
+                self._wake_pool()
+        for e, event in ends:
             e.sink(event)
+        for e in flush:
+            self._dispatch(e)
 
-    def _record_crash(self, why: str) -> list[tuple[Entry, BaseException]]:
-        """Count a crash; restart after a backoff or trip the breaker. Lock held."""
+    def _record_crash(self, why: str) -> list[tuple[Entry, object]]:
+        """Count a crash; take a spare's worker, restart after a backoff, or trip the breaker.
+        Lock held."""
         now = time.monotonic()
         self._crashes.append(now)
         while self._crashes and now - self._crashes[0] > self._policy.crash_window_s:
@@ -177,13 +287,50 @@ class Slot:
                 else f"model {self.model_name!r}: worker died and restart is disabled; last: {why}"
             )
             log.error("slot.failed", slot=self.name, model=self.model_name, crashes=n, reason=why)
-            pending, self._pending = list(self._pending), deque()
-            return [(e, ModelFailedError(self._failure)) for e in pending]
+            return [(e, ModelFailedError(self._failure)) for e in self._take_pending()]
+        if self._adopt_spare():
+            return []
         self.state = "dead"
         delay = min(p.backoff_initial_s * 2 ** (n - 1), p.backoff_max_s)
         log.warning("slot.restart_scheduled", slot=self.name, model=self.model_name, in_s=delay, crashes=n)
         self._ensure_starting(delay)
         return []
+
+    def _adopt_spare(self) -> bool:
+        """Put a ready spare of this model in this slot's place, if there is one. Lock held."""
+        if self.standby or self._closing:
+            return False
+        h = self._take_spare(self._on_exit)
+        if h is None:
+            return False
+        self.handle, self.state, self.ready = h, "ready", h.ready
+        self.restarts += 1
+        self.last_used = time.monotonic()
+        self._wake_pool()
+        log.warning("slot.spare_took_over", slot=self.name, model=self.model_name, pid=h.pid,
+                    restarts=self.restarts)
+        return True
+
+    def take_spare_now(self) -> None:
+        """While waiting out a restart backoff, take a spare that has become ready meanwhile."""
+        with self._lock:
+            if self.state != "dead" or self.handle is not None or not self._adopt_spare():
+                return
+            pending = self._take_pending()
+        for e in pending:
+            self._dispatch(e)
+
+    def hand_over(self, on_exit: ExitCallback) -> WorkerHandle | None:
+        """Give this standby slot's ready worker away, its death now reported to `on_exit`, and
+        start loading a new spare behind it; None if no spare is ready."""
+        with self._lock:
+            h = self.handle
+            if h is None or self._closing or not h.adopt(on_exit):
+                return None
+            self.handle = None
+            self._ensure_starting(0.0)
+        log.info("slot.spare_handed_over", slot=self.name, model=self.model_name, pid=h.pid)
+        return h
 
     def _ensure_starting(self, delay_s: float) -> None:
         """Start a worker in the background unless one is on its way. Lock held."""
@@ -200,31 +347,22 @@ class Slot:
         if delay_s > 0 and self._wake.wait(delay_s) and self._closing:
             return
         with self._lock:
-            if self._closing:
+            if self._closing or self.handle is not None:  # or a spare took the place meanwhile
                 self._starting = False
                 return
-            self.state = "starting"
             restart = bool(self._crashes)
-        try:
-            handle = self._spawn(self._on_exit)
-            with self._lock:
-                self._loading = handle
-                closing = self._closing
-            if closing:  # close() ran while we spawned: it could not see this worker
-                handle.kill()
-                with self._lock:
-                    self._loading, self._starting = None, False
-                return
-            handle.wait_ready()
-        except Exception as exc:  # load errors, timeouts, spawn failures: all count as a crash
-            with self._lock:
-                self._loading = None
+            if restart and self._adopt_spare():  # a spare got ready during the backoff
                 self._starting = False
-                if self._closing:
-                    return
-                fail = self._record_crash(str(exc))
-            for e, err in fail:
-                e.sink(err)
+                pending = self._take_pending()
+            else:
+                pending = None
+                self.state = "starting"
+        if pending is not None:
+            for e in pending:
+                self._dispatch(e)
+            return
+        handle = self._load()
+        if handle is None:
             return
         with self._lock:
             self._loading = None
@@ -237,16 +375,42 @@ class Slot:
                 self.ready = handle.ready
                 self.restarts += restart
                 self.last_used = time.monotonic()
-                pending, self._pending = list(self._pending), deque()
+                pending = self._take_pending()
         if stale is not None:
             stale.stop()
             return
         log.info("slot.ready", slot=self.name, model=self.model_name, pid=handle.pid, restarts=self.restarts)
-        for e in pending:
-            try:
-                handle.submit(e.req, e.sink, replayed=e.replayed)
-            except WorkerDied as exc:
-                e.sink(exc)
+        self._wake_pool()  # requests waiting in a sibling without a worker can come here
+        for e in pending or ():
+            self._dispatch(e)
+
+    def _load(self) -> WorkerHandle | None:
+        """Spawn a worker and wait until it is ready; None (a crash recorded) if that fails."""
+        try:
+            handle = self._spawn(self._on_exit)
+            with self._lock:
+                self._loading = handle
+                closing = self._closing
+            if closing:  # close() ran while we spawned: it could not see this worker
+                handle.kill()
+                with self._lock:
+                    self._loading, self._starting = None, False
+                return None
+            handle.wait_ready()
+            return handle
+        except Exception as exc:  # load errors, timeouts, spawn failures: all count as a crash
+            with self._lock:
+                self._loading = None
+                self._starting = False
+                if self._closing:
+                    return None
+                fail = self._record_crash(str(exc))
+                flush = self._take_pending() if self.handle is not None else []
+            for e, err in fail:
+                e.sink(err)
+            for e in flush:
+                self._dispatch(e)
+            return None
 
     # -- operations ---------------------------------------------------------
     def reset(self) -> None:
@@ -303,7 +467,7 @@ class Slot:
         with self._lock:
             self._closing = True
             self._wake.set()
-            pending, self._pending = list(self._pending), deque()
+            pending = self._take_pending()
             h, loading = self.handle, self._loading
             if drain_s > 0 and h is not None and h.in_flight:
                 self.state = "draining"
@@ -328,5 +492,5 @@ class Slot:
             base = h.info()
         state = base.state if self.state == "ready" else self.state
         waiting = len(self._pending)
-        return replace(base, state=state, restarts=self.restarts,
+        return replace(base, state=state, restarts=self.restarts, spare=self.standby,
                        in_flight=base.in_flight + waiting, queued=base.queued + waiting)

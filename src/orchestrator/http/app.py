@@ -45,12 +45,12 @@ SERVING_STATES = frozenset({"ready", "busy", "unloaded"})
 
 
 def health_of(rt: AsyncRuntime) -> tuple[bool, Health]:
-    """Ready when every model has at least one worker that can take a request."""
+    """Ready when every model has at least one worker that can take a request (a spare cannot)."""
     models: dict[str, ModelHealth] = {name: ModelHealth(ready=0, workers=[]) for name in rt.models}
     for w in rt.workers:
         entry = models.setdefault(w.model, ModelHealth(ready=0, workers=[]))
         entry.workers.append(w)
-        if w.state in SERVING_STATES:
+        if w.state in SERVING_STATES and not w.spare:
             entry.ready += 1
     ok = bool(models) and all(m.ready for m in models.values())
     return ok, Health(status="ok" if ok else "unavailable", models=models)

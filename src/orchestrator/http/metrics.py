@@ -49,6 +49,15 @@ class _Workers:
         for (model, state), n in sorted(counts.items()):
             states.add_metric([model, state], n)
         yield states
+        spares = GaugeMetricFamily("mlxrt_spare_workers", "Hot spares standing by ready, by model.",
+                                   labels=["model"])
+        standing: dict[str, int] = {}
+        for w in workers:
+            if w.spare:
+                standing[w.model] = standing.get(w.model, 0) + (w.state == "ready")
+        for model, n in sorted(standing.items()):
+            spares.add_metric([model], n)
+        yield spares
         restarts = CounterMetricFamily("mlxrt_worker_restarts", "Times each worker was restarted.",
                                        labels=["model", "worker"])
         tokens = CounterMetricFamily("mlxrt_worker_tokens", "Tokens each worker has produced.",

@@ -60,11 +60,13 @@ def serve(
     transport: str = "auto",
     log_level: str = "warning",
     engine: EngineOptions | None = None,
+    spares: int = 0,
 ) -> None:
     """Serve `models` until SIGINT or SIGTERM; raises the runtime's errors if a model fails to load."""
 
     async def main() -> None:
-        runtime = AsyncRuntime(models=dict(models), workers=workers, transport=transport, engine=engine)
+        runtime = AsyncRuntime(models=dict(models), workers=workers, transport=transport, engine=engine,
+                               spares=spares)
         async with runtime as rt:
             app = create_app(rt, config, model_refs=models)
             server = uvicorn.Server(uvicorn.Config(
