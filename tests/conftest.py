@@ -5,6 +5,9 @@ from __future__ import annotations
 import glob
 import os
 
+import httpx
+import ollama
+import openai
 import psutil
 import pytest
 
@@ -86,3 +89,26 @@ def assert_stopped(pids: list[int]) -> None:
     for p in alive:
         p.kill()
     assert not alive, f"workers outlived their runtime: {[p.pid for p in alive]}"
+
+
+# ---- clients of a module's `srv` (a ServerThread fixture each HTTP test module defines) ----
+
+@pytest.fixture(scope="module")
+def http(srv):
+    """Raw HTTP to the module's server."""
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    """The official openai client, pointed at the module's server."""
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oll(srv):
+    """The official ollama client, pointed at the module's server."""
+    with ollama.Client(host=srv.url) as client:
+        yield client

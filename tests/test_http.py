@@ -4,6 +4,7 @@ driven by the official openai and ollama clients and by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -113,10 +114,10 @@ class ServerThread:
         return f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    """One server on the tiny model (named "tiny") for this module's tests."""
-    s = ServerThread({"tiny": tiny_model})
+@contextlib.contextmanager
+def running(models: dict[str, str], **kwargs):
+    """A started `ServerThread` on `models`; stopped on exit, its workers checked gone."""
+    s = ServerThread(models, **kwargs)
     s.url = s.start()
     pids = s.pids
     yield s
@@ -125,24 +126,10 @@ def srv(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def http(srv):
-    """Raw HTTP to the module's server."""
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(srv):
-    """The official openai client, pointed at the module's server."""
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oll(srv):
-    """The official ollama client, pointed at the module's server."""
-    with ollama.Client(host=srv.url) as client:
-        yield client
+def srv(tiny_model):
+    """One server on the tiny model (named "tiny") for this module's tests."""
+    with running({"tiny": tiny_model}) as s:
+        yield s
 
 
 def native_tokens(reference, prompt, max_tokens: int) -> list[int]:

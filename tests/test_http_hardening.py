@@ -13,10 +13,9 @@ from urllib.parse import urlsplit
 import httpx
 import ollama
 import pytest
-from conftest import assert_stopped
 from mlxrt.orchestrator.http import ServerConfig
 from mlxrt.orchestrator.http.body import MAX_JSON_DEPTH
-from test_http import ServerThread
+from test_http import running
 
 SMALL_LIMIT = 64 * 1024  #: the body limit of the small-limit server
 VOCAB = 2048  #: the tiny model's vocabulary size
@@ -33,18 +32,8 @@ GENERATE = {
 @pytest.fixture(scope="module")
 def srv(tiny_model):
     """One runtime on the tiny model (named "tiny") with a server of default settings."""
-    s = ServerThread({"tiny": tiny_model})
-    s.url = s.start()
-    pids = s.pids
-    yield s
-    s.stop()
-    assert_stopped(pids)
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
-        yield client
+    with running({"tiny": tiny_model}) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,12 @@ import sys
 
 import httpx
 import jsonschema
-import ollama
-import openai
 import pytest
-from conftest import assert_stopped
 from mlxrt import Grammar, Runtime
 from mlxrt.ipc.protocol import GRAMMAR_DEAD_END, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import Constraint
-from test_http import ServerThread
+from test_http import running
 
 S = {"type": "string", "maxLength": 8}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
@@ -284,24 +281,8 @@ def test_python_api_json_schema_stream_and_generate(tiny_model):
 
 @pytest.fixture(scope="module")
 def srv(tiny_model):
-    s = ServerThread({"tiny": tiny_model})
-    s.url = s.start()
-    pids = s.pids
-    yield s
-    s.stop()
-    assert_stopped(pids)
-
-
-@pytest.fixture(scope="module")
-def oai(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oll(srv):
-    with ollama.Client(host=srv.url) as client:
-        yield client
+    with running({"tiny": tiny_model}) as s:
+        yield s
 
 
 def json_schema_format(schema: dict) -> dict:

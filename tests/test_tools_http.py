@@ -15,14 +15,11 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
-import ollama
-import openai
 import pytest
 from conftest import assert_stopped
 from mlxrt import Runtime
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from test_http import ServerThread, sse_events
+from test_http import running, sse_events
 
 SCRIPTED = [sys.executable, str(Path(__file__).with_name("scripted_worker.py"))]
 TOOLS = [{"type": "function", "function": {
@@ -74,30 +71,8 @@ def srv(scripted_env):
 
     presets = {"qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny", "llama": "tiny-llama"}
     models = {name: str(ensure_model(preset)) for name, preset in presets.items()}
-    s = ServerThread(models, _worker_argv=SCRIPTED)
-    s.url = s.start()
-    pids = s.pids
-    yield s
-    s.stop()
-    assert_stopped(pids)
-
-
-@pytest.fixture(scope="module")
-def http(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oai(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def oll(srv):
-    with ollama.Client(host=srv.url) as client:
-        yield client
+    with running(models, _worker_argv=SCRIPTED) as s:
+        yield s
 
 
 def streamed(oai, **kw):
