@@ -135,7 +135,7 @@ class Engine:
         #: The lone sequence on the batch-size-1 fast path (outside the BatchGenerator), if any.
         self._solo: Solo | None = None
         #: Whether a lone request may take the fast path (off: every request goes through the batch).
-        self.solo_enabled = True
+        self.solo_enabled = self.options.single_stream
         #: Requests that started on the fast path, and tokens it decoded (for tests and reports).
         self.solo_requests = 0
         self.solo_tokens = 0
