@@ -21,6 +21,11 @@ request that fails a check fails alone, before it reaches the batch; a
 failure inside a batch step fails the requests in that batch and the batch
 is rebuilt, with MLX's random state reseeded.
 
+A lone request (nothing running, nothing else waiting) skips the batch: it is
+prefilled and decoded by `Solo` (`solo.py`), as `mlx_lm.generate_step` does,
+one chunk or one token per `step()`, and handed over to the batch, exactly
+where it is, when a second request arrives (`_hand_over`).
+
 Prefix reuse: a finished sequence's cache is kept in `PrefixCache` under its
 tokens. Where every layer's cache can be trimmed (`KVCache`), a later prompt
 reuses the longest shared prefix of any kept sequence. Where some cannot
