@@ -241,8 +241,9 @@ class Engine:
         use of each costs seconds (38 s for the first long prompts seen on an
         H200), so a full batch and, on a GPU, a prompt past two prefill steps
         and a 24-token one (the matmul's tile follows the rows of a chunk)
-        warm them; `benchmarks/first_use.py` shows what is left. The CPU
-        compiles nothing, so it skips the GPU's prompts.
+        warm them, on the single-stream fast path and through the batch;
+        `benchmarks/first_use.py` shows what is left. The CPU compiles
+        nothing, so it skips the GPU's prompts.
         """
         if tokens <= 0:
             return
@@ -251,8 +252,14 @@ class Engine:
         self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
         if mx.default_device().type == mx.DeviceType.gpu:
             long = self._long_warmup_ids(tokens)
-            for ids in (long, long[:MID_WARMUP_TOKENS]):
-                self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
+            solo = self.solo_enabled
+            try:
+                for mode in dict.fromkeys((solo, False)):  # a lone prompt's cache and the batch's differ
+                    self.solo_enabled = mode
+                    for ids in (long, long[:MID_WARMUP_TOKENS]):
+                        self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
+            finally:
+                self.solo_enabled = solo
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
