@@ -233,3 +233,127 @@ def test_long_warmup_prompt_passes_one_prefill_step():
     ids = engine._long_warmup_ids(4)
     assert 2 * 64 < len(ids) < engine.context_length - 4
     assert all(0 <= t < engine.vocab_size for t in ids)
+
+
+# -- the batch-size-1 fast path ------------------------------------------------------------------
+
+def solo_requests() -> list[Generate]:
+    """Greedy, seeded and penalised requests, one of them past two prefill chunks."""
+    long_text = "The tide came in over the rocks while the gulls argued. " * 12
+    return [
+        gen(60, "Once upon a time", max_tokens=20),
+        gen(61, long_text, max_tokens=12),
+        gen(62, "The quick brown fox", temperature=0.8, seed=7, max_tokens=20),
+        gen(63, "A list of birds:", temperature=1.0, top_k=5, top_p=0.9, seed=11, repetition_penalty=1.3),
+        gen(64, messages=chat("What is the weather like?")),
+    ]
+
+
+def through_batch(engine: Engine, req: Generate) -> list[int]:
+    """The ids `req` gets alone on the BatchGenerator path (fast path off)."""
+    engine.solo_enabled = False
+    try:
+        return run_alone(engine, req)[0]
+    finally:
+        engine.solo_enabled = True
+
+
+def test_lone_request_takes_the_fast_path_with_the_batch_ids(engines):
+    """A lone greedy or seeded request is decoded outside the batch and gets the ids the batch gives."""
+    name, on, off = engines
+    for req in solo_requests():
+        want = through_batch(off, req)
+        before, tokens = off.solo_requests, off.solo_tokens
+        got, st = run_alone(off, req)
+        assert got == want, (name, req.id)
+        assert off.solo_requests == before + 1 and off.solo_tokens - tokens == len(got)
+        assert st.mean_batch_size == 1.0 and st.generation_tokens == len(got)
+
+
+@pytest.mark.parametrize("after", [1, 2, 6])
+def test_second_request_moves_the_lone_one_into_the_batch(engines, after):
+    """A request arriving after `after` steps of a lone one (prefill or decode): both keep their ids."""
+    name, on, off = engines
+    for engine in (off, on):
+        for first, second in [(solo_requests()[1], solo_requests()[2]), (solo_requests()[3], gen(65, "Hi")),
+                              (solo_requests()[4], gen(66, messages=chat("And the sea?")))]:
+            want = {r.id: through_batch(engine, r) for r in (first, second)}
+            if engine is on:
+                engine.clear_cache()
+            rec = Recorder()
+            engine.submit(first, rec)
+            for _ in range(after):
+                engine.step()
+            assert engine._solo is not None
+            engine.submit(second, rec)
+            while engine.busy:
+                engine.step()
+            assert not rec.errors
+            assert rec.ids == want, (name, after, first.id)
+            assert rec.stats[first.id].mean_batch_size > 1
+
+
+def test_cancel_on_the_fast_path():
+    """Cancelling a lone request ends it as cancelled; the engine serves the next one as before."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
+    rec = Recorder()
+    engine.submit(gen(1, "A request that will be cancelled", max_tokens=200), rec)
+    for _ in range(5):
+        engine.step()
+    assert engine._solo is not None
+    assert engine.cancel(1)
+    assert not engine.busy and rec.stats[1].finish_reason == "cancelled"
+    assert 0 < len(rec.ids[1]) < 200
+    req = gen(2, "Once upon a time")
+    assert run_alone(engine, req)[0] == through_batch(engine, req)
+
+
+def test_stop_strings_stop_ids_and_max_tokens_on_the_fast_path():
+    """Stop strings, stop ids and max_tokens end a lone request as they end it in the batch."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prompt_cache_bytes=0))
+    free = through_batch(engine, gen(1, "Once upon a time", max_tokens=30))
+    text = engine.tokenizer.decode(free)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    reqs = [gen(2, "Once upon a time", max_tokens=30, stop=[stop]),
+            gen(3, "Once upon a time", max_tokens=30, stop_token_ids=[free[5]]),
+            gen(4, "Once upon a time", max_tokens=7)]
+    got = {}
+    for req in reqs:
+        engine.solo_enabled = False
+        want = run_batch(engine, [req])
+        engine.solo_enabled = True
+        got[req.id] = run_batch(engine, [req])
+        assert (got[req.id].ids, got[req.id].text) == (want.ids, want.text), req.id
+        assert got[req.id].stats[req.id].finish_reason == want.stats[req.id].finish_reason
+    assert got[2].stats[2].finish_reason == "stop" and stop not in got[2].text[2]
+    assert got[3].ids[3] == free[:5] and got[3].stats[3].finish_reason == "stop"
+    assert got[4].ids[4] == free[:7] and got[4].stats[4].finish_reason == "length"
+    assert engine.solo_requests == 3
+
+
+def test_failure_on_the_fast_path_fails_that_request_alone():
+    """A step of the lone request that raises fails it; the engine then serves requests as before."""
+    from mlxrt.worker.engine import BatchStepError
+    from mlxrt.worker.synthetic import ensure_model
+
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
+    seeded = gen(2, "The quick brown fox", temperature=0.9, seed=3)
+    before = run_alone(engine, seeded)[0]
+    rec = Recorder()
+    engine.submit(gen(1, "This one breaks", max_tokens=50), rec)
+    for _ in range(3):
+        engine.step()
+
+    def boom(logprobs):
+        raise RuntimeError("sampler broke")
+
+    engine._solo.seq.sampler = boom
+    while engine.busy:
+        engine.step()
+    assert isinstance(rec.errors[1], BatchStepError) and 1 not in rec.stats
+    assert run_alone(engine, seeded)[0] == before
+    assert run_batch(engine, [gen(3, "Hello"), gen(4, "World")]).errors == {}

@@ -193,6 +193,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
     #: Byte cap of the prefix cache; 0 turns prefix reuse off (mlx_lm.server --prompt-cache-bytes).
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    #: A lone request decodes outside the batch, as `mlx_lm.generate_step` does (docs/engine.md).
+    single_stream: bool = True
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""

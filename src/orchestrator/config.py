@@ -129,7 +129,8 @@ def engine_from_env() -> EngineOptions:
     `EngineOptions` given to `Runtime` is used as is).
 
     MLXRT_DECODE_CONCURRENCY, MLXRT_PROMPT_CONCURRENCY, MLXRT_PREFILL_STEP_SIZE,
-    MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off).
+    MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off), MLXRT_SINGLE_STREAM (0: a lone request
+    goes through the batch too).
     """
     b = EngineOptions()
     return EngineOptions(
@@ -137,4 +138,5 @@ def engine_from_env() -> EngineOptions:
         prompt_concurrency=_env_int("MLXRT_PROMPT_CONCURRENCY", b.prompt_concurrency),
         prefill_step_size=_env_int("MLXRT_PREFILL_STEP_SIZE", b.prefill_step_size),
         prompt_cache_bytes=_env_int("MLXRT_PROMPT_CACHE_BYTES", b.prompt_cache_bytes),
+        single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
     ).validate()

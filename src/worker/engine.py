@@ -21,6 +21,11 @@ request that fails a check fails alone, before it reaches the batch; a
 failure inside a batch step fails the requests in that batch and the batch
 is rebuilt, with MLX's random state reseeded.
 
+A lone request (nothing running, nothing else waiting) skips the batch: it is
+prefilled and decoded by `Solo` (`solo.py`), as `mlx_lm.generate_step` does,
+one chunk or one token per `step()`, and handed over to the batch, exactly
+where it is, when a second request arrives (`_hand_over`).
+
 Prefix reuse: a finished sequence's cache is kept in `PrefixCache` under its
 tokens. Where every layer's cache can be trimmed (`KVCache`), a later prompt
 reuses the longest shared prefix of any kept sequence. Where some cannot
@@ -39,6 +44,7 @@ checkpoint lands, then start from it (`_leaders`).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 
@@ -69,6 +75,7 @@ from .sequence import (
     make_request_sampler,
     reseed,
 )
+from .solo import Solo
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -130,6 +137,13 @@ class Engine:
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
+        #: The lone sequence on the batch-size-1 fast path (outside the BatchGenerator), if any.
+        self._solo: Solo | None = None
+        #: Whether a lone request may take the fast path (off: every request goes through the batch).
+        self.solo_enabled = self.options.single_stream
+        #: Requests that started on the fast path, and tokens it decoded (for tests and reports).
+        self.solo_requests = 0
+        self.solo_tokens = 0
         #: Uncached system prompts being prefilled now, each by one leading sequence (its uid).
         self._leaders: dict[tuple[int, ...], int] = {}
         self._heads: dict[tuple, list[int]] = {}  # system messages, chat options -> templated tokens
@@ -140,7 +154,7 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._solo)
 
     def submit(self, req: Generate, listener: Listener, *, queued_at: float | None = None) -> None:
         """Check and tokenize `req` and queue it for the batch; a bad request fails at once, alone."""
@@ -158,6 +172,9 @@ class Engine:
                 self._waiting.remove(seq)
                 seq.listener.done(req_id, seq.stats("cancelled"), "")
                 return True
+        if self._solo is not None and self._solo.seq.req.id == req_id:
+            self._finish(self._solo.seq, "cancelled")
+            return True
         for seq in list(self._running.values()):
             if seq.req.id == req_id:
                 self._batch.remove([seq.uid])
@@ -167,12 +184,19 @@ class Engine:
 
     def cancel_all(self) -> None:
         """End every request, waiting or running, as cancelled."""
-        for seq in [*self._waiting, *self._running.values()]:
+        solo = [self._solo.seq] if self._solo is not None else []
+        for seq in [*self._waiting, *solo, *self._running.values()]:
             self.cancel(seq.req.id)
 
     def step(self) -> None:
-        """Admit waiting requests, then run one batch step: a decode step and a prefill chunk."""
+        """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,
+        else a batch step (a decode step and a prefill chunk)."""
+        if self._solo is not None and self._waiting:
+            self._hand_over()
         self._admit()
+        if self._solo is not None:
+            self._solo_step()
+            return
         if not self._running:
             return
         try:
@@ -188,7 +212,8 @@ class Engine:
 
     def report(self) -> EngineReport:
         """The queue, the batch and the prefix cache, now (safe to read from another thread)."""
-        report = EngineReport(queued=len(self._waiting), batch_size=len(self._running))
+        running = len(self._running) + (self._solo is not None)
+        report = EngineReport(queued=len(self._waiting), batch_size=running)
         return self.prefix_cache.report(report)
 
     def memory(self) -> MemoryReport:
@@ -216,8 +241,9 @@ class Engine:
         use of each costs seconds (38 s for the first long prompts seen on an
         H200), so a full batch and, on a GPU, a prompt past two prefill steps
         and a 24-token one (the matmul's tile follows the rows of a chunk)
-        warm them; `benchmarks/first_use.py` shows what is left. The CPU
-        compiles nothing, so it skips the GPU's prompts.
+        warm them, on the single-stream fast path and through the batch;
+        `benchmarks/first_use.py` shows what is left. The CPU compiles
+        nothing, so it skips the GPU's prompts.
         """
         if tokens <= 0:
             return
@@ -226,8 +252,14 @@ class Engine:
         self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
         if mx.default_device().type == mx.DeviceType.gpu:
             long = self._long_warmup_ids(tokens)
-            for ids in (long, long[:MID_WARMUP_TOKENS]):
-                self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
+            solo = self.solo_enabled
+            try:
+                for mode in dict.fromkeys((solo, False)):  # a lone prompt's cache and the batch's differ
+                    self.solo_enabled = mode
+                    for ids in (long, long[:MID_WARMUP_TOKENS]):
+                        self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
+            finally:
+                self.solo_enabled = solo
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
@@ -348,7 +380,10 @@ class Engine:
         )
 
     def _admit(self) -> None:
-        room = self.options.decode_concurrency - len(self._running)
+        if self._solo is None and not self._running and len(self._waiting) == 1 and self.solo_enabled:
+            self._start_solo(self._waiting.popleft())
+            return
+        room = self.options.decode_concurrency - len(self._running) - (self._solo is not None)
         following: list[Sequence] = []
         while room > 0 and self._waiting:
             seq = self._waiting.popleft()
@@ -385,6 +420,72 @@ class Engine:
             self._leaders[seq.leads] = seq.uid
         seq.listener.started(seq.req.id)
 
+    # -- the batch-size-1 fast path ---------------------------------------------
+    def _start_solo(self, seq: Sequence) -> None:
+        """Run a lone request outside the batch: its prefix from the cache, the rest prefilled alone."""
+        mx.reset_peak_memory()
+        try:
+            cache, n = self.prefix_cache.fetch(seq.ids)
+            seq.cached_tokens = n
+            segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
+            self._solo = Solo(self.model, seq, cache, segments,
+                              prefill_step_size=self.options.prefill_step_size, stream=self._batch.stream)
+        except Exception as exc:
+            seq.listener.failed(seq.req.id, exc)
+            return
+        seq.admitted_at = time.perf_counter()
+        self.solo_requests += 1
+        seq.listener.started(seq.req.id)
+
+    def _solo_step(self, *, lookahead: bool = True) -> None:
+        """One prefill chunk or one token of the lone sequence; a failure fails it alone."""
+        solo = self._solo
+        assert solo is not None
+        seq = solo.seq
+        try:
+            if solo.prefilling:
+                if solo.prefill() and seq.checkpoint_kinds:
+                    kind = seq.checkpoint_kinds.pop()  # the cache goes on: keep a copy
+                    self.prefix_cache.insert(list(solo.tokens), copy.deepcopy(solo.cache), kind)
+                return
+            token, mlx_reason = solo.decode(lookahead=lookahead)
+        except Exception as exc:
+            reseed()
+            self._solo = None
+            error = BatchStepError(f"single-stream step failed: {exc!r}")
+            error.__cause__ = exc
+            seq.listener.failed(seq.req.id, error)
+            return
+        self.solo_tokens += 1
+        reason = self._advance(seq, token, mlx_reason, 1, time.perf_counter())
+        if reason is not None:
+            self._finish(seq, reason, solo.cache, solo.tokens)
+
+    def _hand_over(self) -> None:
+        """Another request arrived: move the lone sequence into the batch, to go on exactly where it is.
+
+        A token already queued is delivered first (its sampler and processors have run for it),
+        without queueing the next, so the batch's next step starts from it.
+        """
+        solo = self._solo
+        assert solo is not None
+        seq = solo.seq
+        if not solo.prefilling:
+            self._solo_step(lookahead=False)
+            if self._solo is None:  # it ended (or failed) on that token
+                return
+        self._solo = None
+        try:
+            args = solo.handoff()
+            (seq.uid,) = self._batch.insert_segments(args.pop("segments"), **args)
+        except Exception as exc:
+            seq.listener.failed(seq.req.id, exc)
+            return
+        self._running[seq.uid] = seq
+        if "system" in seq.checkpoint_kinds:  # its system prompt is still to come: others may follow it
+            seq.leads = tuple(seq.ids[: seq.system_end])
+            self._leaders[seq.leads] = seq.uid
+
     # -- a step's results ------------------------------------------------------
     def _checkpoint(self, seq: Sequence) -> None:
         """Keep the cache at the prompt boundary just reached."""
@@ -407,27 +508,10 @@ class Engine:
         ended: list[tuple[Sequence, str]] = []  # ended here while mlx-lm would go on: taken out below
         for r in responses:
             seq = self._running[r.uid]
-            seq.first_at = seq.first_at or now
-            seq.last_at = now
-            seq.steps += 1
-            seq.batch_size_sum += size
-            if r.finish_reason == "stop":  # a stop id: not part of the reply
-                self._finish(seq, "stop", r.prompt_cache, r.all_tokens)
-                continue
-            con = seq.constraint
-            reason = None
-            if con is not None and (con.rejected or (r.token in self._eos and con.finish_reason == "stop")):
-                reason = con.finish_reason  # a token the grammar refused, or its EOS under ignore_eos: unsent
-            else:
-                seq.generated += 1
-                if seq.text.add(r.token):
-                    reason = "stop"
-                elif con is not None:
-                    reason = con.finish_reason
+            reason = self._advance(seq, r.token, r.finish_reason, size, now)
             if reason is None:
-                if r.finish_reason == "length":
-                    self._finish(seq, "length", r.prompt_cache, r.all_tokens)
-            elif r.finish_reason is None:
+                continue
+            if r.finish_reason is None:
                 ended.append((seq, reason))
             else:
                 self._finish(seq, reason, r.prompt_cache, r.all_tokens)
@@ -438,8 +522,32 @@ class Engine:
             for seq, reason in ended:
                 self._finish(seq, reason, *caches.get(seq.uid, (None, None)))
 
+    def _advance(self, seq: Sequence, token: int, mlx_reason: str | None, size: int,
+                 now: float) -> str | None:
+        """Send one generated token (unless it ends the reply unsent); why `seq` ends here, or None.
+
+        mlx_reason is mlx-lm's: "stop" for a stop id (not part of the reply), "length" at max_tokens.
+        """
+        seq.first_at = seq.first_at or now
+        seq.last_at = now
+        seq.steps += 1
+        seq.batch_size_sum += size
+        if mlx_reason == "stop":
+            return "stop"
+        con = seq.constraint
+        if con is not None and (con.rejected or (token in self._eos and con.finish_reason == "stop")):
+            return con.finish_reason  # a token the grammar refused, or its EOS under ignore_eos: unsent
+        seq.generated += 1
+        if seq.text.add(token):
+            return "stop"
+        reason = con.finish_reason if con is not None else None
+        return reason or ("length" if mlx_reason == "length" else None)
+
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
-        del self._running[seq.uid]
+        if self._solo is not None and self._solo.seq is seq:
+            self._solo = None
+        else:
+            del self._running[seq.uid]
         self._unlead(seq)
         if cache is not None and reason != "cancelled":
             self.prefix_cache.insert(tokens, cache, "assistant")
