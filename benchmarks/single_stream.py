@@ -1,6 +1,6 @@
 """In-process A/B of the single-stream fast path: one request at a time, on and off interleaved.
 
-``python -m benchmarks.single_stream [PRESET] [ROUNDS]``: decode tok/s from the engine's own stats
+``python -m benchmarks.single_stream [PRESET|MODEL_DIR] [ROUNDS]``: decode tok/s from the engine's own stats
 (128-token prompt, 128 tokens, greedy, EOS off, prefix cache off), after one unmeasured round.
 The last line of stdout is one JSON document.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine, device_name
@@ -35,7 +36,8 @@ class _Stats:
 
 
 def main(preset: str = "small", rounds: int = 7) -> dict:
-    engine = Engine(str(ensure_model(preset)), options=EngineOptions(prompt_cache_bytes=0))
+    path = preset if Path(preset).is_dir() else ensure_model(preset)
+    engine = Engine(str(path), options=EngineOptions(prompt_cache_bytes=0))
     ids = (engine.tokenizer.encode("The tide came in over the rocks while the gulls argued. ") * 40)[:128]
     tps: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(rounds + 1):
