@@ -262,3 +262,31 @@ def test_worker_that_stops_reading_is_killed_naming_the_setting(tiny_model, monk
         assert "MLXRT_SEND_TIMEOUT_S" in str(box["error"])
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _fake_torch(root: Path, mark: Path) -> None:
+    """An installed-looking `torch` (version 2.9.0) whose import leaves `mark` and fails."""
+    pkg = root / "torch"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(f"open({str(mark)!r}, 'a').write('imported')\nraise ImportError('fake torch')\n")
+    meta = root / "torch-2.9.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
+
+
+def test_worker_never_imports_pytorch(tiny_model, tmp_path, monkeypatch):
+    """transformers imports PyTorch when installed (10 s a worker start on a GPU host); the worker hides it.
+
+    MLXRT_WORKER_TORCH=1 lets it through: the fake torch is imported and the load fails, which shows
+    the fake is one transformers would import.
+    """
+    mark = tmp_path / "imported"
+    _fake_torch(tmp_path, mark)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    with Runtime(model=tiny_model, workers=1, warmup_tokens=0) as rt:
+        assert len(rt.generate("Hello", max_tokens=2, temperature=0.0).tokens) == 2
+    assert not mark.exists()
+    monkeypatch.setenv("MLXRT_WORKER_TORCH", "1")
+    with pytest.raises(ModelLoadError, match="fake torch"):
+        Runtime(model=tiny_model, workers=1, warmup_tokens=0)
+    assert mark.exists()

@@ -311,6 +311,19 @@ def _open_channel(hello: Hello, out_fd: int) -> Sender:
     return PipeSender(out_fd)
 
 
+def _hide_torch() -> None:
+    """Keep transformers from importing PyTorch into the worker, unless MLXRT_WORKER_TORCH=1.
+
+    mlx-lm loads tokenizers through transformers, which imports PyTorch whenever
+    it is installed (transformers 5 has no switch for it): 10.6 s of every worker
+    start on an H100 host (docs/benchmarks/gpu-h100-recovery.md). Nothing in
+    mlx-lm needs it. A None entry in sys.modules makes `find_spec("torch")`
+    return None, so transformers sees no PyTorch and `import torch` fails cleanly.
+    """
+    if os.environ.get("MLXRT_WORKER_TORCH") != "1" and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+
+
 def main() -> None:
     in_fd, out_fd = _claim_stdio()
     from .. import logs
@@ -336,11 +349,14 @@ def main() -> None:
         _fatal(PipeSender(out_fd), exc)
         os._exit(2)
     try:
+        started = time.perf_counter()
+        _hide_torch()
         import mlx.core as mx
         import mlx_lm
 
         from .engine import Engine
 
+        import_s = time.perf_counter() - started
         engine = Engine(hello.model, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
         engine.warmup(hello.warmup_tokens)
     except Exception as exc:
@@ -364,7 +380,8 @@ def main() -> None:
             capabilities=engine.capabilities,
         )
     )
-    log.info("worker.ready", model=hello.model, load_s=round(engine.load_s, 3))
+    log.info("worker.ready", model=hello.model, import_s=round(import_s, 3), load_s=round(engine.load_s, 3),
+             warmup_s=round(engine.warmup_s, 3))
     server = Server(engine, outbox)
     threading.Thread(target=_read_loop, args=(rx, server, log), name="mlxrt-reader", daemon=True).start()
     threading.Thread(target=_watch_parent, args=(server, log), name="mlxrt-parent", daemon=True).start()
