@@ -53,10 +53,17 @@ def level_figures(runs: list[Run]) -> dict[str, Any]:
 
     aggregate_tps: all generated tokens over the window from the first request to
     the last token. ttft_ms (with its p90) and latency_s (request to last token):
-    spread over the streams, queueing included.
+    spread over the streams, queueing included. worker_queue_ms (arrival in the
+    worker to admission) and worker_ttft_ms (admission to first token), where
+    the target reports them.
     """
     window = max(r.ended_at for r in runs) - min(r.started_at for r in runs)
     tokens = sum(r.n_tokens for r in runs)
+    worker = {  # where a TTFT went, for targets whose worker reports it (mlxrt's Python API)
+        f"worker_{key}": spread([r.engine[key] for r in runs])
+        for key in ("queue_ms", "ttft_ms")
+        if all(r.engine.get(key) is not None for r in runs)
+    }
     return {
         "streams": len(runs),
         "aggregate_tps": tokens / window if window > 0 else float("nan"),
@@ -66,4 +73,5 @@ def level_figures(runs: list[Run]) -> dict[str, Any]:
         "latency_s": spread([r.total_s for r in runs]),  # request to last token, queueing included
         # client-side; a stream whose tokens queued up behind a busy client thread reads as a burst
         "per_stream_decode_tps": spread([r.decode_tps for r in runs]),
+        **worker,
     }
