@@ -56,6 +56,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=Tru
 #: Ollama's `think` levels, the chat templates' `reasoning_effort` (gpt-oss).
 REASONING_EFFORTS = ("low", "medium", "high")
 TOOL_CHOICES = ("auto", "required", "function")
+#: Tool formats whose calls a grammar can force (tool choice "required" or a function): mlx-lm's
+#: ``json_tools`` parser's ``<tool_call>`` JSON, and gpt-oss's harmony (src/worker/forced.py).
+FORCED_TOOL_FORMATS = ("json_tools", "harmony")
 
 
 class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -69,8 +72,8 @@ class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     #: OpenAI-shaped function tools: {"type": "function", "function": {"name", "description", "parameters"}}.
     tools: list[dict[str, Any]] = []
-    #: "auto", "required", or "function" (call `tool_name`). Rendered and parsed alike for now:
-    #: a grammar that forces the call belongs to structured output.
+    #: "auto", "required" (a call to any of the tools), or "function" (a call to `tool_name`); the
+    #: last two are enforced in the worker by a grammar (src/worker/forced.py).
     tool_choice: str = "auto"
     tool_name: str = ""
     #: None: the template's default (a thinking model thinks); False renders enable_thinking=False.
@@ -109,6 +112,11 @@ class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     def wants_thinking(self) -> bool:
         """Whether the request asks for thinking (a model that cannot think must refuse it)."""
         return bool(self.enable_thinking) or self.reasoning_effort is not None
+
+    @property
+    def forces_call(self) -> bool:
+        """Whether the reply must be a tool call (tool choice "required" or a named function)."""
+        return self.tool_choice != "auto" and bool(self.tools)
 
 
 class Grammar(msgspec.Struct, kw_only=True, frozen=True):

@@ -575,10 +575,11 @@ def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
     if req.chat is None or ready is None:
         return
     chat = req.chat
-    missing = missing_capability(ready.capabilities, thinking=chat.wants_thinking, tools=bool(chat.tools))
+    missing = missing_capability(ready.capabilities, thinking=chat.wants_thinking, tools=bool(chat.tools),
+                                 forced=chat.forces_call)
     if missing is not None:
-        raise ValueError(f"invalid {'think' if missing == 'thinking' else 'tools'}: "
-                         f"model {name!r} does not support {missing}")
+        field = {"thinking": "think", "tools": "tools"}.get(missing, "tool_choice")
+        raise ValueError(f"invalid {field}: model {name!r} does not support {missing}")
 
 
 def _model_map(model: str | None, models: Mapping[str, str] | None) -> dict[str, str]:

@@ -59,13 +59,23 @@ from ..ipc.protocol import (
     EngineOptions,
     EngineReport,
     Generate,
+    Grammar,
     MemoryReport,
     SamplingParams,
     Stats,
 )
+from .forced import tool_call_grammar
 from .grammar import GrammarCache
 from .prefix_cache import PrefixCache
-from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
+from .reply import (
+    capabilities,
+    check_request,
+    make_splitter,
+    reasoning_open,
+    split_emit,
+    template_kwargs,
+    template_message,
+)
 from .sequence import (
     Listener,
     Sequence,
@@ -164,6 +174,15 @@ class Engine:
             listener.failed(req.id, exc)
             return
         self._waiting.append(seq)
+
+    def prepare(self, req: Generate) -> None:
+        """What can be done for `req` off the MLX thread, before `submit` (any thread): compile its
+        grammar; for a forced tool call, whose grammar follows the templated prompt, build
+        llguidance's view of the tokenizer so that admission only compiles."""
+        if req.params.grammar is not None:
+            self.grammars.prepare(req.params.grammar)
+        elif req.chat is not None and req.chat.forces_call:
+            self.grammars.warm()
 
     def cancel(self, req_id: int) -> bool:
         """End `req_id` as cancelled, wherever it is; False if it is not here."""
@@ -357,8 +376,9 @@ class Engine:
         check_sampler(sampler, self.vocab_size)
         processors = make_request_processors(p)
         constraint = None
-        if p.grammar is not None:  # last, so its -inf mask is what the sampler sees
-            constraint = self.grammars.constraint(p.grammar)
+        grammar = self._grammar(req, ids)
+        if grammar is not None:  # last, so its -inf mask is what the sampler sees
+            constraint = self.grammars.constraint(grammar)
             processors.append(constraint)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos))
         # Only a chat reply has reasoning and tool calls to split out.
@@ -378,6 +398,13 @@ class Engine:
             listener=listener,
             reply=reply,
         )
+
+    def _grammar(self, req: Generate, ids: list[int]) -> Grammar | None:
+        """The reply's grammar: a forced tool call's (it wins over `response_format`), else the request's."""
+        if req.messages is not None and req.chat is not None and req.chat.forces_call:
+            opened = reasoning_open(self.tokenizer, self.capabilities, ids)
+            return tool_call_grammar(self.tokenizer, self.capabilities, req.chat, reasoning_open=opened)
+        return req.params.grammar
 
     def _admit(self) -> None:
         if self._solo is None and not self._running and len(self._waiting) == 1 and self.solo_enabled:

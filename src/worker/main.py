@@ -195,9 +195,9 @@ class Server:
     # -- reader thread --
     def on_message(self, msg: object) -> None:
         arrived = time.perf_counter()
-        if isinstance(msg, Generate) and msg.params.grammar is not None:
-            # Compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
-            self._engine.grammars.prepare(msg.params.grammar)
+        if isinstance(msg, Generate):
+            # Grammars compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
+            self._engine.prepare(msg)
         with self._cond:
             if isinstance(msg, Generate):
                 self._inbox.append((msg, arrived))
