@@ -322,9 +322,11 @@ def chat_logprobs(entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
 
 
 def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
-    """/v1/completions' ``logprobs``; `offset`: the text's length before these tokens (streaming).
+    """/v1/completions' ``logprobs``; `offset`: the tokens' text length before these (streaming).
 
-    Each ``top_logprobs`` entry holds the most likely tokens and the sampled one, as OpenAI's does.
+    Each ``top_logprobs`` entry holds the most likely tokens and the sampled one, as OpenAI's does;
+    ``text_offset`` counts the tokens' own text (as vLLM does), which is the completion's text
+    except where the detokenizer dropped a leading space or replaced broken UTF-8.
     """
     if entries is None:
         return None
@@ -350,13 +352,13 @@ async def completion_events(
     choice = CompletionChoice(text="")
     chunk = Completion(id=rid, created=created, model=gen.model, choices=[choice],
                        usage=None if usage else msgspec.UNSET)
-    offsets = [0] * n  # each choice's text so far, for its log-probabilities' text_offset
+    offsets = [0] * n  # each choice's token text so far, for its log-probabilities' text_offset
     try:
         async for c in gen.chunks():
             choice.index = c.index
             choice.text = c.text
             choice.logprobs = completion_logprobs(c.logprobs, offsets[c.index])
-            offsets[c.index] += len(c.text)
+            offsets[c.index] += sum(len(e.token) for e in c.logprobs or ())
             if token_ids:
                 choice.token_ids = c.tokens
             yield _sse(chunk)
