@@ -25,8 +25,10 @@ ATOL = 2e-3  # float32 tiny model: the batch's padded attention and a full forwa
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model):
-    return Engine(tiny_model, options=EngineOptions(decode_concurrency=8))
+def engine(tiny_model, reference):
+    engine = Engine(tiny_model, options=EngineOptions(decode_concurrency=8))
+    engine.reference_model = reference[0]  # the same weights, loaded apart by mlx-lm (conftest)
+    return engine
 
 
 class Recorder:
@@ -80,10 +82,10 @@ def run(engine: Engine, reqs: list[Generate], rec: Recorder | None = None, *, se
 
 def reference(engine: Engine, req: Generate, ids: list[int]) -> mx.array:
     """mlx-lm's log-softmax at each generated position (teacher forcing on the prompt and `ids`), after
-    the request's repetition penalty, as mlx-lm's processors apply it."""
+    the request's repetition penalty as mlx-lm's processors apply it."""
     prompt = engine.prompt_ids(req)
     seq = prompt + ids
-    logits = engine.model(mx.array(seq[:-1])[None])[0, len(prompt) - 1:].astype(mx.float32)
+    logits = engine.reference_model(mx.array(seq[:-1])[None])[0, len(prompt) - 1:].astype(mx.float32)
     p = req.params
     if p.repetition_penalty:
         (penalty,) = make_logits_processors(repetition_penalty=p.repetition_penalty,
@@ -158,16 +160,19 @@ def test_logprobs_do_not_change_the_tokens(engine):
     assert asked.ids == plain.ids
 
 
-def test_masked_alternatives_are_floored(engine):
-    """Under a grammar the masked tokens have -inf: the alternatives past the allowed ones say -9999
-    (JSON has no infinity), and every sampled token is an allowed one."""
+def test_logprobs_are_after_the_processors(engine):
+    """A grammar's mask is a logits processor: the values are the masked distribution's (renormalised
+    over the few tokens "yes" or "no" can start with, far above the raw model's), and the masked
+    alternatives say -9999 (-inf; JSON has no infinity)."""
     from mlxrt.ipc.protocol import Grammar
 
     req = gen(1, "Hi", logprobs=MAX_TOP_LOGPROBS, ignore_eos=False, max_tokens=16,
               grammar=Grammar(kind="regex", source="(yes|no)"))
     rec = run(engine, [req])
     first = rec.logprobs[1][0]
-    assert first.logprob > -9999.0 and any(t.logprob == -9999.0 for t in first.top)
+    raw = reference(engine, req, rec.ids[1][:1])[0]
+    assert first.logprob > raw[first.id].item() + 1.0
+    assert any(t.logprob == -9999.0 for t in first.top) and all(t.logprob > -9999.0 for t in first.top[:1])
 
 
 # ---- over HTTP, and the Python API -----------------------------------------------------------
