@@ -626,7 +626,7 @@ class Engine:
         entries = token_logprobs([lp for _, _, lp in items], [t for _, t, _ in items],
                                  [seq.logprobs for seq, _, _ in items], self.token_bytes)
         for (seq, _, _), entry in zip(items, entries, strict=True):
-            seq.listener.logprob = entry  # a `choices.Choice`: only these sequences ask
+            seq.listener.logprob = entry  # type: ignore[attr-defined]  # a `choices.Choice`: they ask
 
     def _advance(self, seq: Sequence, token: int, mlx_reason: str | None, size: int,
                  now: float) -> str | None:
