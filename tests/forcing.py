@@ -23,3 +23,18 @@ def forced(ids: list[int], vocab: int):
         return mx.where(positions == next(steps, ids[-1]), 0.0, -1e9).astype(logits.dtype)[None]
 
     return processor
+
+
+def prefixed(ids: list[int], vocab: int):
+    """A logits processor that makes a sequence's first generated tokens `ids`, then leaves the
+    logits alone: the model (and any grammar after this processor) writes the rest."""
+    steps = iter(ids)
+    positions = mx.arange(vocab)
+
+    def processor(tokens, logits):
+        forced_id = next(steps, None)
+        if forced_id is None:
+            return logits
+        return mx.where(positions == forced_id, 0.0, -1e9).astype(logits.dtype)[None]
+
+    return processor

@@ -371,7 +371,7 @@ BAD = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user"}]}', 400, "content"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400,
      "role"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}',
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17}',
      400, "n"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, "max_tokens"),

@@ -93,3 +93,34 @@ def test_drain_merges_interleaved_requests_but_never_past_their_end():
     assert (out[1].id, out[1].token_ids, out[1].text) == (2, [20, 21], "xy")
     assert isinstance(out[3], Tokens) and (out[3].id, out[3].token_ids) == (1, [12])
     box.close(timeout=1)
+
+
+def test_detailed_tokens_coalesce_per_choice():
+    """Tokens with log-probabilities or a choice index go as DetailedTokens, coalesced per request and
+    choice, each log-probability with its token; a plain request's stay plain Tokens."""
+    from mlxrt.ipc.protocol import DetailedTokens, TokenLogprob
+
+    r, w = os.pipe()
+    outbox = Outbox(PipeSender(w))
+    n = 3000
+    for i in range(n):  # request 1: two choices with log-probabilities; request 2: plain
+        outbox.token(1, i, "a", logprob=TokenLogprob(i, -float(i), b"a"), index=i % 2)
+        outbox.token(2, i, "b")
+    outbox.message(Done(id=1, stats=Stats(), index=0, final=False))
+    outbox.message(Done(id=1, stats=Stats(), index=1))
+    frames: list = []
+    reader = threading.Thread(target=read_all, args=(PipeReceiver(r), frames))
+    reader.start()
+    outbox.close()
+    os.close(w)
+    reader.join(30)
+    plain = [f for f in frames if type(f) is Tokens]
+    detailed = [f for f in frames if type(f) is DetailedTokens]
+    assert all(f.id == 2 for f in plain) and [t for f in plain for t in f.token_ids] == list(range(n))
+    assert all(f.id == 1 for f in detailed)
+    for choice in (0, 1):
+        mine = [f for f in detailed if f.index == choice]
+        assert [t for f in mine for t in f.token_ids] == list(range(choice, n, 2))
+        assert [e.id for f in mine for e in f.logprobs] == list(range(choice, n, 2))
+    assert len(detailed) < n  # coalesced
+    assert [f.final for f in frames if isinstance(f, Done)] == [False, True]

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import assert_stopped
 from mlxrt import Runtime
@@ -28,14 +29,19 @@ TOOLS = [{"type": "function", "function": {
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 QWEN_CALL = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
-# [marker in the templated prompt, forced reply]; the first marker found wins.
+# [marker in the templated prompt, forced reply]; the first marker found wins. With "prefix", only the
+# reply's start is forced: the model (under a forced tool choice's grammar) writes the rest.
+THOUGHT = "The notes will say."
 SCRIPT = [
+    ["<|im_start|>user\nThink, then find", f"<think>\n{THOUGHT}\n</think>\n\n", "prefix"],
+    ["<|start|>user<|message|>Think, then find",
+     f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>commentary", "prefix"],
     # Qwen3 (and Qwen2.5): ChatML, <think> and <tool_call> JSON.
     ["<tool_response>\nsunny, 21 C", "<think>\nThe tool answered.\n</think>\n\nIt is sunny in Paris."],
     ['<tools>\n{"type": "function", "function": {"name": "get_weather"',
      f"<think>\nI should call the tool.\n</think>\n\n{QWEN_CALL}"],
     ["<|im_start|>user\nWeather in Paris?", f"Plain text: {QWEN_CALL}"],
-    ["<think>\n\n</think>", "Hello without thinking."],
+    ["Say hi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>", "Hello without thinking."],
     ["<|im_start|>user\nSay hi", "<think>\nA greeting.\n</think>\n\nHi there!"],
     # gpt-oss: harmony channels; the call ends with <|call|>, the answer with <|return|>.
     ["<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny, 21 C",
@@ -155,15 +161,68 @@ def test_tool_choice_none_drops_the_tools(oai):
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.mark.parametrize("choice", ["auto", "required", NAMED])
-def test_tool_choices_render_and_parse(oai, choice):
-    """auto, required and a named function render the tools and parse the call (the grammar that would
-    force the call for required and named is structured output's)."""
-    r = oai.chat.completions.create(model="qwen2.5", messages=ASK, tools=TOOLS, tool_choice=choice,
+def test_tool_choice_auto_renders_and_parses(oai):
+    """auto renders the tools and parses the call the model chose to make, next to its text."""
+    r = oai.chat.completions.create(model="qwen2.5", messages=ASK, tools=TOOLS, tool_choice="auto",
                                     max_tokens=200).choices[0]
     assert r.finish_reason == "tool_calls" and r.message.tool_calls[0].function.name == "get_weather"
     # Qwen2.5 has no <think> tokens: its reasoning markup stays in the answer.
     assert r.message.content == "<think>\nI should call the tool.\n</think>"
+
+
+# One small tool: the tiny models' context is 512 tokens, and the template renders it.
+FIND = {"type": "function", "function": {"name": "find", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string", "maxLength": 8}}, "required": ["q"],
+    "additionalProperties": False}}}
+FIND_NAMED = {"type": "function", "function": {"name": "find"}}
+
+
+def assert_called_find(choice) -> None:
+    """The reply is only calls to `find` ("required" allows several), arguments valid for its schema."""
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content  # null; "" when accumulated from a stream (its role chunk's)
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "find" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), FIND["function"]["parameters"])
+
+
+@pytest.mark.parametrize("choice", ["required", FIND_NAMED], ids=["required", "named"])
+@pytest.mark.parametrize("model", ["qwen2.5", "qwen3"])
+def test_openai_forced_tool_call_streamed_and_not(oai, model, choice):
+    """tool_choice required or a named function: random weights still answer with a call that parses
+    and validates, streamed (accumulated by the client's own helper) or not; Qwen3 with thinking off."""
+    kw = dict(model=model, tools=[FIND], tool_choice=choice, max_tokens=150,
+              messages=[{"role": "user", "content": "Find my notes on tides"}])
+    if model == "qwen3":
+        kw["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+    for seed in range(3):
+        r = oai.chat.completions.create(**kw, temperature=1.0, seed=seed)
+        assert_called_find(r.choices[0])
+        final, _ = streamed(oai, **kw, temperature=1.0, seed=seed)
+        assert_called_find(final.choices[0])
+        assert [c.function.arguments for c in final.choices[0].message.tool_calls] == \
+            [c.function.arguments for c in r.choices[0].message.tool_calls]
+
+
+@pytest.mark.parametrize("choice", ["required", FIND_NAMED], ids=["required", "named"])
+@pytest.mark.parametrize("model", THINKERS)
+def test_openai_forced_tool_call_after_thinking(oai, model, choice):
+    """A thinking model thinks first (scripted: random text never ends its reasoning), then the grammar
+    writes the call: the reasoning apart, the call valid."""
+    r = oai.chat.completions.create(model=model, tools=[FIND], tool_choice=choice, max_tokens=150,
+                                    temperature=0, messages=[{"role": "user", "content": "Think, then find"}])
+    assert r.choices[0].message.reasoning_content == THOUGHT
+    assert_called_find(r.choices[0])
+
+
+def test_python_api_forced_tool_call(rt):
+    """The Python API takes the same tool_choice: the reply is a call, finish_reason tool_calls."""
+    ask = [{"role": "user", "content": "Find my notes on tides"}]
+    c = rt.generate(ask, model="qwen3", tools=[FIND], tool_choice="required", think=False, max_tokens=150,
+                    temperature=1.0, seed=3)
+    assert c.finish_reason == "tool_calls" and c.text == "" and [t.name for t in c.tool_calls] == ["find"]
+    jsonschema.validate(json.loads(c.tool_calls[0].arguments), FIND["function"]["parameters"])
 
 
 def test_reasoning_effort_reaches_the_template(oai):
@@ -322,13 +381,19 @@ BAD = [
     ("/api/generate", {"model": "qwen2.5", "prompt": "Hi", "think": True},
      '"qwen2.5" does not support thinking'),
     ("/api/chat", {"model": "qwen3", "messages": ASK, "think": "extreme"}, "think"),
+    ("/v1/chat/completions", {"model": "qwen3", "messages": ASK, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 3,
+                                                                      "maximum": 1}}}]},
+     "tools[0].function.parameters"),
 ]
 
 
 @pytest.mark.parametrize("path, body, names", BAD, ids=[f"{p}-{n}" for p, _, n in BAD])
-def test_bad_tools_and_thinking_are_400_naming_the_field(http, path, body, names):
-    """A tool without a name, a tool choice naming an unknown function, tools or thinking for a model
-    without them: 400 in the API's shape, naming the field, before any worker sees the request."""
+def test_bad_tools_and_thinking_are_400_naming_the_field(srv, http, path, body, names):
+    """A tool without a name, a tool choice naming an unknown function, a forced call's parameters
+    schema that cannot be enforced, tools or thinking for a model without them: 400 in the API's
+    shape, naming the field, before any worker sees the request."""
+    sent = sum(w.requests for w in srv.rt.workers)
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -337,6 +402,7 @@ def test_bad_tools_and_thinking_are_400_naming_the_field(http, path, body, names
     else:
         assert names in err["message"] and set(err) == {"message", "type", "param", "code"}
         assert err["param"] == names
+    assert sum(w.requests for w in srv.rt.workers) == sent
 
 
 def test_think_false_is_accepted_by_a_model_without_thinking(oll):

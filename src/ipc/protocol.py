@@ -27,6 +27,10 @@ PROTOCOL_VERSION = 2
 MAX_REPETITION_CONTEXT = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_REPETITION_CONTEXT = 20
+#: Most alternatives returned per token (OpenAI's and Ollama's `top_logprobs` limit).
+MAX_TOP_LOGPROBS = 20
+#: Most choices for one prompt (OpenAI's `n`): each is a sequence of the worker's batch.
+MAX_CHOICES = 16
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "grammar_dead_end"]
 #: The finish reason of a constrained request whose grammar allowed no next token.
@@ -56,6 +60,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=Tru
 #: Ollama's `think` levels, the chat templates' `reasoning_effort` (gpt-oss).
 REASONING_EFFORTS = ("low", "medium", "high")
 TOOL_CHOICES = ("auto", "required", "function")
+#: Tool formats whose calls a grammar can force (tool choice "required" or a function): mlx-lm's
+#: ``json_tools`` parser's ``<tool_call>`` JSON, and gpt-oss's harmony (src/worker/forced.py).
+FORCED_TOOL_FORMATS = ("json_tools", "harmony")
 
 
 class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -69,8 +76,8 @@ class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     #: OpenAI-shaped function tools: {"type": "function", "function": {"name", "description", "parameters"}}.
     tools: list[dict[str, Any]] = []
-    #: "auto", "required", or "function" (call `tool_name`). Rendered and parsed alike for now:
-    #: a grammar that forces the call belongs to structured output.
+    #: "auto", "required" (a call to any of the tools), or "function" (a call to `tool_name`); the
+    #: last two are enforced in the worker by a grammar (src/worker/forced.py).
     tool_choice: str = "auto"
     tool_name: str = ""
     #: None: the template's default (a thinking model thinks); False renders enable_thinking=False.
@@ -110,6 +117,11 @@ class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether the request asks for thinking (a model that cannot think must refuse it)."""
         return bool(self.enable_thinking) or self.reasoning_effort is not None
 
+    @property
+    def forces_call(self) -> bool:
+        """Whether the reply must be a tool call (tool choice "required" or a named function)."""
+        return self.tool_choice != "auto" and bool(self.tools)
+
 
 class Grammar(msgspec.Struct, kw_only=True, frozen=True):
     """A constraint on the reply, compiled in the worker by llguidance (see docs/structured-output.md).
@@ -138,6 +150,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     #: Structured output: the reply must match this grammar (None: unconstrained).
     grammar: Grammar | None = None
+    #: Log-probabilities: None (none), 0 (each generated token's), k (and the k most likely tokens at
+    #: each position). Sent in `DetailedTokens` frames; requests without them pay nothing.
+    logprobs: int | None = None
+    #: Choices for the prompt: n sequences decoded together from one prefill (OpenAI's `n`).
+    n: int = 1
 
     def validate(self) -> SamplingParams:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -168,6 +185,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             "must be >= 0",
             self.stop_token_ids,
         )
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]",
+                   self.logprobs)
+        _check(1 <= self.n <= MAX_CHOICES, "n", f"must be in [1, {MAX_CHOICES}]", self.n)
         return self
 
 
@@ -325,13 +346,54 @@ class Tokens(msgspec.Struct, tag="t", array_like=True):
     tool_calls: list[ToolCall] = []
 
 
+class TopLogprob(msgspec.Struct, array_like=True):
+    """A candidate token at one position: its id, its log-probability and its bytes."""
+
+    id: int
+    logprob: float
+    token_bytes: bytes
+
+    @property
+    def token(self) -> str:
+        """The token as text; bytes that are not whole UTF-8 written ``\\xNN``, as OpenAI does."""
+        return self.token_bytes.decode("utf-8", "backslashreplace")
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A generated token's log-probability (the log-softmax of the logits it was sampled from, after
+    the logits processors, before temperature and top-p/top-k), and the most likely tokens there,
+    most likely first (`SamplingParams.logprobs` of them)."""
+
+    id: int
+    logprob: float
+    token_bytes: bytes
+    top: list[TopLogprob] = []
+
+    @property
+    def token(self) -> str:
+        return self.token_bytes.decode("utf-8", "backslashreplace")
+
+
+class DetailedTokens(Tokens, tag="td", array_like=True):
+    """`Tokens` of a request that asked for log-probabilities or n > 1: with the choice's `index`
+    and each token's `TokenLogprob` (None: not asked). Other requests' frames stay plain `Tokens`."""
+
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
 class Done(msgspec.Struct, tag="done", array_like=True, kw_only=True):
+    """A request (or, with n > 1, one of its choices) ended; `final` on the last of them."""
+
     id: int
     stats: Stats
     text: str = ""
     token_ids: list[int] = []
     reasoning: str = ""
     tool_calls: list[ToolCall] = []
+    #: With n > 1: the choice that ended, and whether every choice has.
+    index: int = 0
+    final: bool = True
 
 
 class Failed(msgspec.Struct, tag="err", array_like=True, kw_only=True):
@@ -378,7 +440,7 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):
     engine: EngineReport | None = None
 
 
-Up = Attached | Ready | Started | Tokens | Done | Failed | Fatal | Pong
+Up = Attached | Ready | Started | Tokens | DetailedTokens | Done | Failed | Fatal | Pong
 
 
 class Codec:

@@ -16,7 +16,16 @@ from typing import Any
 
 import msgspec
 
-from ..ipc.protocol import REASONING_EFFORTS, Capabilities, ChatMessage, ChatOptions, ToolCall
+from ..ipc.protocol import (
+    FORCED_TOOL_FORMATS,
+    REASONING_EFFORTS,
+    Capabilities,
+    ChatMessage,
+    ChatOptions,
+    Grammar,
+    ToolCall,
+)
+from .structured import grammar_problem
 
 #: Keyword arguments of `Runtime.generate`/`stream` that shape a chat, beside the sampling ones.
 CHAT_KEYWORDS = ("tools", "tool_choice", "think")
@@ -40,7 +49,23 @@ def chat_options(tools: Any = None, tool_choice: Any = None, think: Think = None
     enable, effort = _think(think)
     opts = ChatOptions(tools=tools, tool_choice=choice, tool_name=name, enable_thinking=enable,
                        reasoning_effort=effort).validate()
+    if opts.forces_call:
+        _check_parameters(opts)
     return None if opts == ChatOptions() else opts
+
+
+def _check_parameters(opts: ChatOptions) -> None:
+    """A forced call's arguments are enforced by their `parameters` schema: llguidance must accept
+    each schema the choice can call (``ValueError`` naming ``tools[i].function.parameters``)."""
+    for i, tool in enumerate(opts.tools):
+        fn = tool["function"]
+        params = fn.get("parameters")
+        if params is None or (opts.tool_choice == "function" and fn["name"] != opts.tool_name):
+            continue
+        problem = grammar_problem(Grammar(kind="json_schema", source=json.dumps(params)))
+        if problem:
+            raise ValueError(f"invalid tools[{i}].function.parameters: {problem} (tool_choice "
+                             f"{opts.tool_choice!r} enforces it)")
 
 
 def _builtins(obj: Any) -> Any:
@@ -70,15 +95,19 @@ def _think(think: Think) -> tuple[bool | None, str | None]:
     raise ValueError(f"invalid think={think!r}: true, false, or one of {list(REASONING_EFFORTS)}")
 
 
-def missing_capability(caps: Capabilities | None, *, thinking: bool, tools: bool) -> str | None:
-    """"thinking" or "tools" when a request needs what the model cannot do; None if it can (or
-    `caps` is unknown: the worker checks then)."""
+def missing_capability(caps: Capabilities | None, *, thinking: bool, tools: bool,
+                       forced: bool = False) -> str | None:
+    """"thinking", "tools" or "forced tool calls" when a request needs what the model cannot do
+    (`forced`: tool choice "required" or a function); None if it can (or `caps` is unknown: the
+    worker checks then)."""
     if caps is None:
         return None
     if thinking and not caps.thinking:
         return "thinking"
     if tools and not caps.tools:
         return "tools"
+    if forced and caps.tools not in FORCED_TOOL_FORMATS:
+        return "forced tool calls"
     return None
 
 

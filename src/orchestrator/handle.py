@@ -33,6 +33,7 @@ from ..ipc.protocol import (
     Attached,
     Cancel,
     ClearCache,
+    DetailedTokens,
     Done,
     EngineOptions,
     EngineReport,
@@ -55,7 +56,8 @@ from .errors import ChannelError, MlxrtTimeout, ModelLoadError, WorkerDied
 
 log = structlog.get_logger("mlxrt.orchestrator")
 
-#: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied.
+#: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied (with n > 1,
+#: a Done per choice, the last one `final`).
 Sink = Callable[[object], None]
 
 
@@ -443,8 +445,12 @@ class WorkerHandle:
         try:
             while True:
                 msg = decode(self._rx.recv())
-                if type(msg) is Tokens:
+                if type(msg) is Tokens or type(msg) is DetailedTokens:
                     self._tokens += len(msg.token_ids)
+                    entry = sinks.get(msg.id)
+                    if entry is not None:
+                        entry.sink(msg)
+                elif type(msg) is Done and not msg.final:  # one of n choices ended; others run on
                     entry = sinks.get(msg.id)
                     if entry is not None:
                         entry.sink(msg)

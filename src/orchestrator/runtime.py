@@ -24,6 +24,7 @@ import structlog
 
 from .. import logs
 from ..ipc.protocol import (
+    DetailedTokens,
     Done,
     EngineOptions,
     Failed,
@@ -31,6 +32,7 @@ from ..ipc.protocol import (
     Ready,
     SamplingParams,
     Stats,
+    TokenLogprob,
     Tokens,
     ToolCall,
 )
@@ -56,13 +58,16 @@ class Chunk:
     """Text and token ids produced since the previous chunk of a stream.
 
     In a chat reply `text` is the answer; its reasoning and its tool calls (each whole, parsed
-    in the worker) come in `reasoning` and `tool_calls`.
+    in the worker) come in `reasoning` and `tool_calls`. With ``logprobs=k``, `logprobs` has a
+    `TokenLogprob` per token of `tokens`; with ``n > 1``, `index` says which choice the chunk is of.
     """
 
     text: str
     tokens: list[int]
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -70,7 +75,9 @@ class Completion:
     """A finished request: all its text and token ids, with the worker's stats.
 
     A chat reply's reasoning and tool calls are apart from its text; `finish_reason` is
-    "tool_calls" when the reply called tools and stopped by itself.
+    "tool_calls" when the reply called tools and stopped by itself. With ``logprobs=k``,
+    `logprobs` has a `TokenLogprob` per token. With ``n > 1`` this is the first choice, and
+    `choices` all n of them (each a `Completion` with its own text, stats and `index`).
     """
 
     text: str
@@ -79,11 +86,20 @@ class Completion:
     model: str
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    index: int = 0
+    #: Choices 1..n-1 of a request with n > 1 (`choices` lists them after this one).
+    other_choices: list[Completion] = field(default_factory=list, repr=False)
     finish_reason: str = field(init=False)
 
     def __post_init__(self) -> None:
         reason = self.stats.finish_reason
         self.finish_reason = "tool_calls" if self.tool_calls and reason == "stop" else reason
+
+    @property
+    def choices(self) -> list[Completion]:
+        """Every choice, in order: this one, then the others (just ``[self]`` when n is 1)."""
+        return [self, *self.other_choices]
 
 
 def build_request(req_id: int, prompt: Prompt, params: dict[str, Any]) -> Generate:
@@ -383,15 +399,21 @@ def _choose_transport(transport: str) -> str:
 
 
 def _event_to_chunk(event: object, stream: _StreamBase) -> Chunk | None:
-    """Apply one worker event to `stream`; return a chunk to yield, or None when done."""
+    """Apply one worker event to `stream`; return a chunk to yield, or None when there is none."""
     if type(event) is Tokens:
         return Chunk(event.text, event.token_ids, event.reasoning, event.tool_calls)
-    stream._done = True
+    if type(event) is DetailedTokens:
+        return Chunk(event.text, event.token_ids, event.reasoning, event.tool_calls, event.index,
+                     event.logprobs)
     if isinstance(event, Done):
-        stream.stats = event.stats
+        stream._done = event.final  # with n > 1 each choice ends with a Done, the last one final
+        stream.choice_stats[event.index] = event.stats
+        if event.index == 0 or stream.stats is None:
+            stream.stats = event.stats
         if event.text or event.token_ids or event.reasoning or event.tool_calls:
-            return Chunk(event.text, list(event.token_ids), event.reasoning, event.tool_calls)
+            return Chunk(event.text, list(event.token_ids), event.reasoning, event.tool_calls, event.index)
         return None
+    stream._done = True
     if isinstance(event, Failed):
         raise RequestError(event.error_type, event.message, event.traceback)
     if isinstance(event, BaseException):
@@ -406,6 +428,8 @@ class _StreamBase:
         self.model = model or pool.default_model
         self.id = req.id
         self.stats = None
+        #: Each choice's stats as it ends (n > 1); `stats` is the first choice's.
+        self.choice_stats: dict[int, Stats] = {}
         self._done = False
         self._token_timeout = pool.timeouts.token_s
         self._dropped = pool.dropped
@@ -562,12 +586,20 @@ def _check_quiet(ref: weakref.ref) -> None:
 
 
 def _collect(chunks: list[Chunk], stream: _StreamBase) -> Completion:
-    text = "".join(c.text for c in chunks)
-    tokens = [t for c in chunks for t in c.tokens]
+    """The stream's chunks as its `Completion` (the first choice's, with the others in `choices`)."""
     assert stream.stats is not None
-    return Completion(text=text, tokens=tokens, stats=stream.stats, model=stream.model,
-                      reasoning="".join(c.reasoning for c in chunks),
-                      tool_calls=[t for c in chunks for t in c.tool_calls])
+    indices = sorted(stream.choice_stats) or [0]
+    done = [_choice(i, [c for c in chunks if c.index == i], stream.choice_stats.get(i, stream.stats),
+                    stream.model) for i in indices]
+    done[0].other_choices = done[1:]
+    return done[0]
+
+
+def _choice(index: int, chunks: list[Chunk], stats: Stats, model: str) -> Completion:
+    logprobs = [e for c in chunks for e in c.logprobs or ()] if any(c.logprobs for c in chunks) else None
+    return Completion(text="".join(c.text for c in chunks), tokens=[t for c in chunks for t in c.tokens],
+                      stats=stats, model=model, reasoning="".join(c.reasoning for c in chunks),
+                      tool_calls=[t for c in chunks for t in c.tool_calls], logprobs=logprobs, index=index)
 
 
 def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
@@ -575,10 +607,11 @@ def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
     if req.chat is None or ready is None:
         return
     chat = req.chat
-    missing = missing_capability(ready.capabilities, thinking=chat.wants_thinking, tools=bool(chat.tools))
+    missing = missing_capability(ready.capabilities, thinking=chat.wants_thinking, tools=bool(chat.tools),
+                                 forced=chat.forces_call)
     if missing is not None:
-        raise ValueError(f"invalid {'think' if missing == 'thinking' else 'tools'}: "
-                         f"model {name!r} does not support {missing}")
+        field = {"thinking": "think", "tools": "tools"}.get(missing, "tool_choice")
+        raise ValueError(f"invalid {field}: model {name!r} does not support {missing}")
 
 
 def _model_map(model: str | None, models: Mapping[str, str] | None) -> dict[str, str]:
@@ -600,10 +633,13 @@ class Runtime:
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
     ignore_eos; for structured output ``json_schema`` (a JSON schema the
     reply must match, enforced in the worker) or ``grammar`` (a `Grammar`:
-    a JSON schema, a regex or a Lark grammar). Chat keywords (the prompt a
-    list of messages): tools, tool_choice, think (`chat.chat_options`); the
-    reply's reasoning and tool calls come apart from its text
-    (`Completion.reasoning`, `.tool_calls`).
+    a JSON schema, a regex or a Lark grammar); ``logprobs`` (0: each token's
+    log-probability, k <= 20: and the k most likely tokens; `Completion.logprobs`,
+    `Chunk.logprobs`); ``n`` (<= 16 choices from one prefill: `Completion.choices`,
+    `Chunk.index`). Chat keywords (the prompt a list of messages): tools,
+    tool_choice (``required`` or a function force the call), think
+    (`chat.chat_options`); the reply's reasoning and tool calls come apart from
+    its text (`Completion.reasoning`, `.tool_calls`).
 
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,

@@ -59,13 +59,25 @@ from ..ipc.protocol import (
     EngineOptions,
     EngineReport,
     Generate,
+    Grammar,
     MemoryReport,
     SamplingParams,
     Stats,
 )
+from .choices import Group
+from .forced import tool_call_grammar
 from .grammar import GrammarCache
+from .logprobs import TokenBytes, token_logprobs
 from .prefix_cache import PrefixCache
-from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
+from .reply import (
+    capabilities,
+    check_request,
+    make_splitter,
+    reasoning_open,
+    split_emit,
+    template_kwargs,
+    template_message,
+)
 from .sequence import (
     Listener,
     Sequence,
@@ -134,9 +146,12 @@ class Engine:
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
+        self.token_bytes = TokenBytes(self.tokenizer, self.grammars)
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
+        #: uids of the running sequences that asked for log-probabilities (empty: no work for them).
+        self._with_logprobs: set[int] = set()
         #: The lone sequence on the batch-size-1 fast path (outside the BatchGenerator), if any.
         self._solo: Solo | None = None
         #: Whether a lone request may take the fast path (off: every request goes through the batch).
@@ -165,11 +180,29 @@ class Engine:
             return
         self._waiting.append(seq)
 
+    def prepare(self, req: Generate) -> None:
+        """What can be done for `req` off the MLX thread, before `submit` (any thread): compile its
+        grammar; for a forced tool call, whose grammar follows the templated prompt, build
+        llguidance's view of the tokenizer so that admission only compiles."""
+        if req.params.grammar is not None:
+            self.grammars.prepare(req.params.grammar)
+        elif req.chat is not None and req.chat.forces_call:
+            self.grammars.warm()
+        if req.params.logprobs is not None:
+            self.token_bytes.warm()
+
     def cancel(self, req_id: int) -> bool:
-        """End `req_id` as cancelled, wherever it is; False if it is not here."""
+        """End `req_id` (each of its choices) as cancelled, wherever it is; False if it is not here."""
+        found = False
+        while self._cancel_one(req_id):
+            found = True
+        return found
+
+    def _cancel_one(self, req_id: int) -> bool:
         for seq in self._waiting:
             if seq.req.id == req_id:
                 self._waiting.remove(seq)
+                self._end_forks(seq)
                 seq.listener.done(req_id, seq.stats("cancelled"), "")
                 return True
         if self._solo is not None and self._solo.seq.req.id == req_id:
@@ -346,6 +379,7 @@ class Engine:
         return head
 
     def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
+        """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`."""
         p = req.params
         if p.top_k and self.vocab_size and p.top_k > self.vocab_size:
             raise ValueError(
@@ -353,12 +387,27 @@ class Engine:
             )
         check_request(req.chat, self.capabilities, self.path)
         ids = self.prompt_ids(req)
-        sampler = make_request_sampler(p)
+        grammar = self._grammar(req, ids)
+        system_end = self._system_end(req, ids) if self.prefix_cache.enabled and req.messages else 0
+        # Only requests that ask for log-probabilities or several choices get the choices' listeners.
+        group = Group(listener, p.n) if p.n > 1 or p.logprobs is not None else None
+        seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, queued_at=queued_at,
+                             listener=listener if group is None else group.choices[i])
+                for i in range(p.n)]
+        seqs[0].forks = seqs[1:]
+        return seqs[0]
+
+    def _choice(self, req: Generate, ids: list[int], index: int, *, grammar: Grammar | None,
+                system_end: int, queued_at: float, listener: Listener) -> Sequence:
+        """One choice's sequence: its own sampler (a key of its own when seeded), processors and
+        grammar matcher, text stream and reply splitter."""
+        p = req.params
+        sampler = make_request_sampler(p, index)
         check_sampler(sampler, self.vocab_size)
         processors = make_request_processors(p)
         constraint = None
-        if p.grammar is not None:  # last, so its -inf mask is what the sampler sees
-            constraint = self.grammars.constraint(p.grammar)
+        if grammar is not None:  # last, so its -inf mask is what the sampler sees
+            constraint = self.grammars.constraint(grammar)
             processors.append(constraint)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self._eos))
         # Only a chat reply has reasoning and tool calls to split out.
@@ -367,7 +416,7 @@ class Engine:
         return Sequence(
             req=req,
             ids=ids,
-            system_end=self._system_end(req, ids) if self.prefix_cache.enabled and req.messages else 0,
+            system_end=system_end,
             max_tokens=min(p.max_tokens, self.context_length - len(ids)),
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
@@ -377,17 +426,26 @@ class Engine:
             queued_at=queued_at,
             listener=listener,
             reply=reply,
+            logprobs=p.logprobs,
         )
 
+    def _grammar(self, req: Generate, ids: list[int]) -> Grammar | None:
+        """The reply's grammar: a forced tool call's (it wins over `response_format`), else the request's."""
+        if req.messages is not None and req.chat is not None and req.chat.forces_call:
+            opened = reasoning_open(self.tokenizer, self.capabilities, ids)
+            return tool_call_grammar(self.tokenizer, self.capabilities, req.chat, reasoning_open=opened)
+        return req.params.grammar
+
     def _admit(self) -> None:
-        if self._solo is None and not self._running and len(self._waiting) == 1 and self.solo_enabled:
+        lone = len(self._waiting) == 1 and not self._waiting[0].forks  # n > 1 is a batch from the start
+        if self._solo is None and not self._running and lone and self.solo_enabled:
             self._start_solo(self._waiting.popleft())
             return
         room = self.options.decode_concurrency - len(self._running) - (self._solo is not None)
         following: list[Sequence] = []
         while room > 0 and self._waiting:
             seq = self._waiting.popleft()
-            if seq.system_end and tuple(seq.ids[: seq.system_end]) in self._leaders:
+            if seq.start is None and seq.system_end and tuple(seq.ids[: seq.system_end]) in self._leaders:
                 following.append(seq)  # its system prompt is being prefilled: wait for the checkpoint
                 continue
             room -= 1
@@ -396,13 +454,17 @@ class Engine:
             try:
                 self._insert(seq)
             except Exception as exc:
-                seq.listener.failed(seq.req.id, exc)
+                self._failed(seq, exc)
         self._waiting.extendleft(reversed(following))
 
     def _insert(self, seq: Sequence) -> None:
-        cache, n = self.prefix_cache.fetch(seq.ids)
+        if seq.start is not None:  # a choice forked at the end of its leader's prompt
+            (cache, n), seq.start = seq.start, None
+        else:
+            cache, n = self.prefix_cache.fetch(seq.ids)
         seq.cached_tokens = n
-        segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
+        segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
+                                    fork=bool(seq.forks))
         (seq.uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[seq.max_tokens],
@@ -415,10 +477,35 @@ class Engine:
         seq.checkpoint_kinds = kinds
         seq.admitted_at = time.perf_counter()
         self._running[seq.uid] = seq
+        if seq.logprobs is not None:
+            self._with_logprobs.add(seq.uid)
         if "system" in kinds:
             seq.leads = tuple(seq.ids[: seq.system_end])
             self._leaders[seq.leads] = seq.uid
         seq.listener.started(seq.req.id)
+        if seq.forks and len(seq.ids) - n <= 1:  # one token to prefill, no boundary: the others start alike
+            self._release_forks(seq, None)
+
+    def _release_forks(self, seq: Sequence, start: tuple[list, int] | None) -> None:
+        """`seq`'s prompt is prefilled up to its last token: its other choices start from a copy of
+        that cache (`start`; None: each from the prefix cache, as `seq` did), ahead of the queue."""
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            fork.start = None if start is None else (copy.deepcopy(start[0]), start[1])
+        self._waiting.extendleft(reversed(forks))
+
+    def _end_forks(self, seq: Sequence) -> None:
+        """`seq` ended before its prompt was prefilled (cancelled): its other choices end with it."""
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            fork.listener.done(fork.req.id, fork.stats("cancelled"), "")
+
+    def _failed(self, seq: Sequence, exc: BaseException) -> None:
+        """`seq` failed: its request fails (once), and the request's other choices are cancelled."""
+        seq.forks = []
+        seq.listener.failed(seq.req.id, exc)
+        if seq.req.params.n > 1:
+            self.cancel(seq.req.id)  # their ends are dropped: the request already failed
 
     # -- the batch-size-1 fast path ---------------------------------------------
     def _start_solo(self, seq: Sequence) -> None:
@@ -431,7 +518,7 @@ class Engine:
             self._solo = Solo(self.model, seq, cache, segments,
                               prefill_step_size=self.options.prefill_step_size, stream=self._batch.stream)
         except Exception as exc:
-            seq.listener.failed(seq.req.id, exc)
+            self._failed(seq, exc)
             return
         seq.admitted_at = time.perf_counter()
         self.solo_requests += 1
@@ -449,12 +536,14 @@ class Engine:
                     self.prefix_cache.insert(list(solo.tokens), copy.deepcopy(solo.cache), kind)
                 return
             token, mlx_reason = solo.decode(lookahead=lookahead)
+            if seq.logprobs is not None:
+                self._attach_logprobs([(seq, token, solo.logprobs)])
         except Exception as exc:
             reseed()
             self._solo = None
             error = BatchStepError(f"single-stream step failed: {exc!r}")
             error.__cause__ = exc
-            seq.listener.failed(seq.req.id, error)
+            self._failed(seq, error)
             return
         self.solo_tokens += 1
         reason = self._advance(seq, token, mlx_reason, 1, time.perf_counter())
@@ -479,9 +568,11 @@ class Engine:
             args = solo.handoff()
             (seq.uid,) = self._batch.insert_segments(args.pop("segments"), **args)
         except Exception as exc:
-            seq.listener.failed(seq.req.id, exc)
+            self._failed(seq, exc)
             return
         self._running[seq.uid] = seq
+        if seq.logprobs is not None:
+            self._with_logprobs.add(seq.uid)
         if "system" in seq.checkpoint_kinds:  # its system prompt is still to come: others may follow it
             seq.leads = tuple(seq.ids[: seq.system_end])
             self._leaders[seq.leads] = seq.uid
@@ -493,6 +584,8 @@ class Engine:
             return
         kind = seq.checkpoint_kinds.pop()
         for cache, tokens in self._batch.extract_cache([seq.uid]).values():
+            if seq.forks and not seq.checkpoint_kinds:  # the prompt's end: its other choices start here
+                self._release_forks(seq, (cache, len(tokens)))
             self.prefix_cache.insert(tokens, cache, kind)
         if kind == "system":
             self._unlead(seq)
@@ -504,6 +597,9 @@ class Engine:
             seq.leads = None
 
     def _deliver(self, responses: list) -> None:
+        if self._with_logprobs:
+            self._attach_logprobs([(self._running[r.uid], r.token, r.logprobs) for r in responses
+                                   if r.uid in self._with_logprobs])
         now, size = time.perf_counter(), len(responses)
         ended: list[tuple[Sequence, str]] = []  # ended here while mlx-lm would go on: taken out below
         for r in responses:
@@ -521,6 +617,16 @@ class Engine:
             )
             for seq, reason in ended:
                 self._finish(seq, reason, *caches.get(seq.uid, (None, None)))
+
+    def _attach_logprobs(self, items: list) -> None:
+        """(sequence, token, the log-probabilities it was sampled from) for the sequences that asked:
+        each one's `TokenLogprob`, in one evaluation, handed to its listener for the token's event."""
+        if not items:  # those that asked are still prefilling
+            return
+        entries = token_logprobs([lp for _, _, lp in items], [t for _, t, _ in items],
+                                 [seq.logprobs for seq, _, _ in items], self.token_bytes)
+        for (seq, _, _), entry in zip(items, entries, strict=True):
+            seq.listener.logprob = entry  # type: ignore[attr-defined]  # a `choices.Choice`: they ask
 
     def _advance(self, seq: Sequence, token: int, mlx_reason: str | None, size: int,
                  now: float) -> str | None:
@@ -548,7 +654,9 @@ class Engine:
             self._solo = None
         else:
             del self._running[seq.uid]
+            self._with_logprobs.discard(seq.uid)
         self._unlead(seq)
+        self._end_forks(seq)
         if cache is not None and reason != "cancelled":
             self.prefix_cache.insert(tokens, cache, "assistant")
         rest = seq.text.finish()
@@ -566,11 +674,12 @@ class Engine:
         error = BatchStepError(f"batch step failed: {exc!r}")
         error.__cause__ = exc
         running, self._running = list(self._running.values()), {}
+        self._with_logprobs.clear()
         self._leaders.clear()
         self._batch.close()
         self._batch = self._new_batch()
         for seq in running:
-            seq.listener.failed(seq.req.id, error)
+            self._failed(seq, error)
 
     def _new_batch(self) -> BatchGenerator:
         o = self.options
@@ -592,7 +701,8 @@ def _always_trimmable(cache: list) -> bool:
     return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
 
 
-def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool) -> tuple[list, list[str]]:
+def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
+              fork: bool = False) -> tuple[list, list[str]]:
     """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
 
     An uncached system prompt is a segment of its own, checkpointed, so that
@@ -601,9 +711,10 @@ def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool) 
     is a boundary too: a cache that cannot be trimmed is checkpointed there
     ("user": the next turn of this chat starts with this whole prompt); a
     trimmable one needs no such checkpoint, the finished sequence's cache
-    is trimmed back instead.
+    is trimmed back instead. A sequence with other choices to fork (n > 1) needs
+    that boundary whatever its cache: they start from its cache there.
     """
-    end = [] if trimmable else ["user"]
+    end = [] if trimmable and not fork else ["user"]
     if cached < system_end:
         return [ids[cached:system_end], ids[system_end:]], [*end, "system"]
     return [ids[cached:]], end

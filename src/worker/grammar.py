@@ -82,6 +82,13 @@ class GrammarCache:
                 self._llt = _ll_tokenizer(self._hf, self._vocab_size, self._eos)
             return self._llt
 
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer now, if it can be built (errors surface at use)."""
+        try:
+            self.tokenizer()
+        except Exception:  # noqa: S110 -- the request that needs it fails with the reason, at admission
+            pass
+
     def prepare(self, grammar: Grammar) -> None:
         """Compile `grammar` into the cache unless it is there; never raises (errors are cached)."""
         with self._lock:

@@ -38,6 +38,7 @@ from ..ipc.protocol import (
     Attached,
     Cancel,
     ClearCache,
+    DetailedTokens,
     Done,
     Failed,
     Fatal,
@@ -90,8 +91,14 @@ class Outbox:
         self._thread = threading.Thread(target=self._run, name="mlxrt-writer", daemon=True)
         self._thread.start()
 
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
-        if reasoning or calls:  # a chat reply's reasoning or tool calls (worker/reply.py)
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, logprob=None,
+              index: int = 0) -> None:
+        if logprob is not None or index:  # log-probabilities or a choice of n > 1 (worker/choices.py)
+            frame = DetailedTokens(req_id, [token], text, reasoning, list(calls or ()), index,
+                                   None if logprob is None else [logprob])
+            if not self._try_direct(frame):
+                self._enqueue((req_id, token, text, reasoning, calls, logprob, index))
+        elif reasoning or calls:  # a chat reply's reasoning or tool calls (worker/reply.py)
             if not self._try_direct(Tokens(req_id, [token], text, reasoning, list(calls or ()))):
                 self._enqueue((req_id, token, text, reasoning, calls))
         elif not self._try_direct(Tokens(req_id, [token], text)):
@@ -143,35 +150,51 @@ class Outbox:
                 return
 
     def _drain(self) -> list:
-        """Everything queued, as frames: each request's queued tokens in one Tokens frame.
+        """Everything queued, as frames: each request's (each choice's) queued tokens in one frame.
 
         A batch interleaves requests token by token; merging per request (not only
         runs of one request) keeps a backed-up channel at one frame per request per
         drain. A request's tokens never move past its own Done or Failed.
         """
         out: list = []
-        open_frames: dict[int, Tokens] = {}
+        open_frames: dict[tuple[int, int, bool], Tokens] = {}  # by request, choice, and kind of frame
         items = self._items
         while items:
             item = items.popleft()
             if type(item) is tuple:
                 req_id, token, text = item[:3]
-                frame = open_frames.get(req_id)
+                key = (req_id, item[6], True) if len(item) > 5 else (req_id, 0, False)
+                frame = open_frames.get(key)
                 if frame is not None:
                     frame.token_ids.append(token)
                     frame.text += text
                 else:
-                    frame = open_frames[req_id] = Tokens(req_id, [token], text)
+                    frame = open_frames[key] = _frame(item)
                     out.append(frame)
+                    continue
                 if len(item) > 3:  # reasoning and tool calls
                     frame.reasoning += item[3]
                     frame.tool_calls.extend(item[4] or ())
+                if len(item) > 5 and item[5] is not None:  # a log-probability
+                    frame.logprobs.append(item[5])  # type: ignore[attr-defined]
             else:
                 req_id = getattr(item, "id", None)
                 if req_id is not None:
-                    open_frames.pop(req_id, None)
+                    for key in [k for k in open_frames if k[0] == req_id]:
+                        del open_frames[key]
                 out.append(item)
         return out
+
+
+def _frame(item: tuple) -> Tokens:
+    """A queued token as the first of its frame: plain `Tokens` unless it carries details."""
+    req_id, token, text = item[:3]
+    if len(item) > 5:
+        logprobs = None if item[5] is None else [item[5]]
+        return DetailedTokens(req_id, [token], text, item[3], list(item[4] or ()), item[6], logprobs)
+    if len(item) > 3:
+        return Tokens(req_id, [token], text, item[3], list(item[4] or ()))
+    return Tokens(req_id, [token], text)
 
 
 class Server:
@@ -195,9 +218,9 @@ class Server:
     # -- reader thread --
     def on_message(self, msg: object) -> None:
         arrived = time.perf_counter()
-        if isinstance(msg, Generate) and msg.params.grammar is not None:
-            # Compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
-            self._engine.grammars.prepare(msg.params.grammar)
+        if isinstance(msg, Generate):
+            # Grammars compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
+            self._engine.prepare(msg)
         with self._cond:
             if isinstance(msg, Generate):
                 self._inbox.append((msg, arrived))
@@ -251,12 +274,14 @@ class Server:
     def started(self, req_id: int) -> None:
         self._outbox.message(Started(req_id))
 
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
-        self._outbox.token(req_id, token, text, reasoning, calls)
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, *, logprob=None,
+              index: int = 0) -> None:
+        self._outbox.token(req_id, token, text, reasoning, calls, logprob, index)
 
-    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None, *, index: int = 0,
+             final: bool = True) -> None:
         self._outbox.message(Done(id=req_id, stats=stats, text=text, reasoning=reasoning,
-                                  tool_calls=list(calls or ())))
+                                  tool_calls=list(calls or ()), index=index, final=final))
 
     def failed(self, req_id: int, exc: BaseException) -> None:
         self._outbox.message(

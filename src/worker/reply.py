@@ -32,7 +32,7 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from ..ipc.protocol import Capabilities, ChatMessage, ChatOptions, ToolCall
+from ..ipc.protocol import FORCED_TOOL_FORMATS, Capabilities, ChatMessage, ChatOptions, ToolCall
 
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 #: A harmony header longer than this is not one: the model is not writing harmony.
@@ -107,6 +107,9 @@ def check_request(chat: ChatOptions | None, caps: Capabilities, model: str) -> N
         raise ValueError(f"model {model} does not support thinking")
     if chat.tools and not caps.tools:
         raise ValueError(f"model {model} does not support tools (mlx-lm has no tool-call parser for it)")
+    if chat.forces_call and caps.tools not in FORCED_TOOL_FORMATS:
+        raise ValueError(f"model {model} cannot be forced to call a tool: its tool format {caps.tools!r} "
+                         f"has no grammar (forced: {list(FORCED_TOOL_FORMATS)})")
 
 
 def make_splitter(tokenizer, caps: Capabilities, chat: ChatOptions | None, prompt: list[int]):
@@ -118,10 +121,16 @@ def make_splitter(tokenizer, caps: Capabilities, chat: ChatOptions | None, promp
         return None
     think = (tokenizer.think_start, tokenizer.think_end) if caps.thinking else None
     call = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tools and caps.tools else None
-    initial = "normal"
-    if think is not None and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
-        initial = "reasoning"  # the template opened <think> in the prompt (Qwen3.5, QwQ, ...)
+    initial = "reasoning" if reasoning_open(tokenizer, caps, prompt) else "normal"
     return TagSplitter(think=think, call=call, parser=tokenizer.tool_parser, tools=tools, initial=initial)
+
+
+def reasoning_open(tokenizer, caps: Capabilities, prompt: list[int]) -> bool:
+    """Whether the template opened ``<think>`` in the prompt (Qwen3.5, QwQ, ...): the reply starts in
+    its reasoning, as `mlx_lm.server` detects."""
+    if caps.thinking != "think":
+        return False
+    return tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
 
 
 def template_message(m: ChatMessage) -> dict:

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from ..ipc.protocol import Generate, SamplingParams, Stats, ToolCall
+from ..ipc.protocol import Generate, SamplingParams, Stats, TokenLogprob, ToolCall
 
 if TYPE_CHECKING:
     from .grammar import Constraint
@@ -39,36 +39,44 @@ class Listener(Protocol):
     started, token..., then done or failed (failed may also come alone, before started).
 
     A chat reply's reasoning and tool calls (`reply.py`) come as the extra arguments of token and
-    done; they are passed only when there are some.
+    done; they are passed only when there are some. The keywords (a token's log-probability, the
+    choice's index, whether every choice is done) come only for a request that asked for
+    log-probabilities or n > 1 (`choices.py`), whose choices each send a done.
     """
 
     def started(self, req_id: int) -> None: ...
 
     def token(self, req_id: int, token: int, text: str, reasoning: str = "",
-              calls: list[ToolCall] | None = None) -> None: ...
+              calls: list[ToolCall] | None = None, *, logprob: TokenLogprob | None = None,
+              index: int = 0) -> None: ...
 
     def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "",
-             calls: list[ToolCall] | None = None) -> None: ...
+             calls: list[ToolCall] | None = None, *, index: int = 0, final: bool = True) -> None: ...
 
     def failed(self, req_id: int, exc: BaseException) -> None: ...
 
 
-def make_request_sampler(p: SamplingParams):
-    """mlx-lm's sampler for these settings, or None for greedy (batched as one argmax)."""
+def make_request_sampler(p: SamplingParams, choice: int = 0):
+    """mlx-lm's sampler for these settings, or None for greedy (batched as one argmax).
+
+    `choice`: which of the request's n choices; with a seed, each has a key of its own.
+    """
     if p.temperature == 0.0:
         return None
     # mlx-lm treats top_p=0 as "off"; our API uses the conventional 1.0.
     top_p = p.top_p if p.top_p < 1.0 else 0.0
     if p.seed is None:
         return make_sampler(temp=p.temperature, top_p=top_p, min_p=p.min_p, top_k=p.top_k)
-    return keyed_sampler(p, top_p)
+    return keyed_sampler(p, top_p, choice)
 
 
-def keyed_sampler(p: SamplingParams, top_p: float):
+def keyed_sampler(p: SamplingParams, top_p: float, choice: int = 0):
     """`make_sampler`'s chain of mlx-lm filters, drawing from a key of its own seeded with ``p.seed``.
 
     MLX's global random state cannot be set from an array, so the key is
     passed to the draw instead; the filters are mlx-lm's, in `make_sampler`'s order.
+    Choice 0 draws from the seed's key (so it is what n=1 gives), choice i > 0 from
+    the i-th key split off it.
     """
     filters = []
     if 0.0 < top_p < 1.0:
@@ -78,6 +86,8 @@ def keyed_sampler(p: SamplingParams, top_p: float):
     if p.top_k > 0:
         filters.append(lambda x: apply_top_k(x, p.top_k))
     key = mx.random.key(p.seed)
+    if choice:
+        key = mx.random.split(key, choice + 1)[choice]
     inv_temp = 1.0 / p.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -221,6 +231,12 @@ class Sequence:
     reply: object = None
     #: The grammar's logits processor (structured output); None when unconstrained.
     constraint: Constraint | None = None
+    #: Log-probabilities asked for: the number of alternatives per token (None: not asked).
+    logprobs: int | None = None
+    #: The request's other choices (n > 1), held until this one's prompt is prefilled.
+    forks: list[Sequence] = field(default_factory=list)
+    #: A choice forked from another: the cache of all its prompt but the last token, and its length.
+    start: tuple[list, int] | None = None
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated

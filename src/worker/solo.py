@@ -50,6 +50,10 @@ class Solo:
         self._matcher = seq.stop.matcher()
         self._context: TokenBuffer | None = None
         self._next: mx.array | None = None  # sampled, queued, not yet delivered
+        self._next_logprobs: mx.array | None = None  # what `_next` was sampled from, when asked for
+        #: The log-probabilities (shape (V,)) the token `decode` returned last was sampled from; kept
+        #: only for a sequence that asks for them.
+        self.logprobs: mx.array | None = None
         self._resume: int | None = None  # delivered without lookahead: the batch's next input
 
     @property
@@ -87,6 +91,8 @@ class Solo:
         """
         y, self._next = self._next, None
         assert y is not None, "decode before the prompt was prefilled"
+        lp, self._next_logprobs = self._next_logprobs, None
+        self.logprobs = None if lp is None else lp[0]
         if lookahead:
             self._queue(y)
         token = int(y.item())
@@ -139,4 +145,8 @@ class Solo:
                     logits = processor(context, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             self._next = (seq.sampler or greedy_sampler)(logprobs)
-            mx.async_eval(self._next, context)
+            if seq.logprobs is None:
+                mx.async_eval(self._next, context)
+            else:
+                self._next_logprobs = logprobs
+                mx.async_eval(self._next, context, logprobs)

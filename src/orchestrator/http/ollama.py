@@ -30,7 +30,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...ipc.protocol import MAX_REPETITION_CONTEXT, REASONING_EFFORTS, ToolCall
+from ...ipc.protocol import (
+    MAX_REPETITION_CONTEXT,
+    MAX_TOP_LOGPROBS,
+    REASONING_EFFORTS,
+    TokenLogprob,
+    ToolCall,
+)
 from ..errors import MlxrtError
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, ollama_body
@@ -44,6 +50,7 @@ from .schemas import (
     OllamaFunctionOut,
     OllamaGenerateChunk,
     OllamaGenerateRequest,
+    OllamaLogprob,
     OllamaMessageOut,
     OllamaModel,
     OllamaOptions,
@@ -52,6 +59,7 @@ from .schemas import (
     OllamaShow,
     OllamaShowRequest,
     OllamaTags,
+    OllamaTokenLogprob,
     OllamaToolCallOut,
     OllamaVersion,
 )
@@ -78,6 +86,7 @@ OPTION_NAMES = {
     "repetition_context_size": "options.repeat_last_n",
     "seed": "options.seed",
     "stop": "options.stop",
+    "logprobs": "top_logprobs",
 }
 NS_PER_MS = 1_000_000
 
@@ -153,9 +162,24 @@ def _unsupported(param: str, what: str) -> HttpError:
     return HttpError(400, f"{param}: {what} is not supported by this server", param=param)
 
 
-def _refuse_common(req: OllamaGenerateRequest | OllamaChatRequest) -> None:
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "returning log probabilities")
+def logprobs_param(req: OllamaGenerateRequest | OllamaChatRequest) -> dict[str, Any]:
+    """``logprobs: true`` (with ``top_logprobs``, 0 to 20 alternatives) as the runtime's ``logprobs=k``."""
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise HttpError(400, f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}",
+                        param="top_logprobs")
+    return {"logprobs": top or 0} if req.logprobs else {}
+
+
+def logprobs_out(entries: list[TokenLogprob] | None) -> list[OllamaLogprob] | msgspec.UnsetType:
+    """Ollama's ``logprobs``: per token its text, log-probability, bytes and ``top_logprobs``."""
+    if entries is None:
+        return msgspec.UNSET
+    return [OllamaLogprob(token=e.token, logprob=e.logprob, bytes=list(e.token_bytes),
+                          top_logprobs=[OllamaTokenLogprob(token=t.token, logprob=t.logprob,
+                                                           bytes=list(t.token_bytes)) for t in e.top]
+                          if e.top else msgspec.UNSET)
+            for e in entries]
 
 
 def think_param(req: OllamaGenerateRequest | OllamaChatRequest) -> dict[str, Any]:
@@ -194,7 +218,6 @@ def constrain(params: dict[str, Any], fmt: str | dict[str, Any] | None) -> dict[
 
 def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
     """Raw text with ``raw: true``, else the prompt as a user message under the model's chat template."""
-    _refuse_common(req)
     if req.images:
         raise _unsupported("images", "images")
     if req.suffix:
@@ -213,7 +236,6 @@ def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
 def chat_prompt(req: OllamaChatRequest) -> list[dict[str, Any]]:
     """The messages as the runtime takes them: tool calls, tool results (`tool_name`) and an earlier
     turn's `thinking` included."""
-    _refuse_common(req)
     out = []
     for i, m in enumerate(req.messages):
         if m.images:
@@ -285,6 +307,7 @@ class OllamaApi:
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = generate_prompt(req)
         params = constrain(ollama_params(req.options), req.format)
+        params.update(logprobs_param(req))
         chat = think_param(req)
         refuse_missing(self.svc, model, req.model, chat)
         if not req.raw:  # a raw prompt has no template to think through
@@ -303,6 +326,7 @@ class OllamaApi:
         chunk.response = text
         if gen.reasoning and think:
             chunk.thinking = gen.reasoning
+        chunk.logprobs = logprobs_out(gen.replies[0].logprobs)
         chunk.created_at = iso_now()
         _timings(chunk, gen)
         return json_response(chunk)
@@ -315,6 +339,7 @@ class OllamaApi:
         prompt = chat_prompt(req)
         params = constrain(ollama_params(req.options), req.format)
         params.update(chat_params(req))
+        params.update(logprobs_param(req))
         refuse_missing(self.svc, model, req.model, params)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself
         if not prompt:
@@ -329,6 +354,7 @@ class OllamaApi:
                                on_close=gen.on_close)
         text, _ = await gen.collect(request.receive)
         _set_message(chunk.message, text, gen.reasoning, gen.tool_calls, think=think)
+        chunk.logprobs = logprobs_out(gen.replies[0].logprobs)
         chunk.created_at = iso_now()
         _timings(chunk, gen)
         return json_response(chunk)
@@ -407,6 +433,7 @@ async def generate_events(gen: Generation, chunk: OllamaGenerateChunk, *, think:
         async for c in gen.chunks():
             chunk.response = c.text
             chunk.thinking = c.reasoning if c.reasoning and think else msgspec.UNSET
+            chunk.logprobs = logprobs_out(c.logprobs)
             chunk.created_at = iso_now()
             yield _line(chunk)
     except MlxrtError as exc:
@@ -414,6 +441,7 @@ async def generate_events(gen: Generation, chunk: OllamaGenerateChunk, *, think:
         return
     chunk.response = ""
     chunk.thinking = msgspec.UNSET
+    chunk.logprobs = msgspec.UNSET
     chunk.created_at = iso_now()
     _timings(chunk, gen)
     yield _line(chunk)
@@ -427,12 +455,14 @@ async def chat_events(gen: Generation, chunk: OllamaChatChunk, *, think: bool = 
         async for c in gen.chunks():
             _set_message(message, c.text, c.reasoning, c.tool_calls, think=think, first_call=calls)
             calls += len(c.tool_calls)
+            chunk.logprobs = logprobs_out(c.logprobs)
             chunk.created_at = iso_now()
             yield _line(chunk)
     except MlxrtError as exc:
         yield _error_line(exc)
         return
     _set_message(message, "", "", [], think=think)
+    chunk.logprobs = msgspec.UNSET
     chunk.created_at = iso_now()
     _timings(chunk, gen)
     yield _line(chunk)

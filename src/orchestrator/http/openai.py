@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ...ipc.protocol import TokenLogprob
 from ..errors import MlxrtError
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, openai_body
@@ -35,11 +36,14 @@ from .schemas import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     FunctionOut,
+    LogprobOut,
     ModelCard,
     ModelList,
     OpenAISampling,
@@ -47,9 +51,10 @@ from .schemas import (
     ResponseFormat,
     ToolCallDelta,
     ToolCallOut,
+    TopLogprobOut,
     Usage,
 )
-from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
+from .service import UNLIMITED_TOKENS, Generation, Reply, Service, json_response, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's documented defaults where they differ from mlxrt's.
@@ -79,9 +84,6 @@ def _unsupported(param: str, what: str) -> HttpError:
 
 def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
     """The runtime's sampling keywords for `req`; refuses what mlxrt cannot honour."""
-    if req.n != 1:
-        raise HttpError(400, f"n: only n=1 is supported (got {req.n})", param="n",
-                        code="unsupported_parameter")
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name):
             raise _unsupported(name, "a non-zero value (use repetition_penalty)")
@@ -92,6 +94,8 @@ def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: in
         "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
         "ignore_eos": req.ignore_eos,
     }
+    if req.n != 1:  # checked by the runtime: 1 <= n <= MAX_CHOICES
+        params["n"] = req.n
     for name in ("top_p", "seed", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
                  "stop_token_ids"):
         value = getattr(req, name)
@@ -122,10 +126,16 @@ def constrain(params: dict[str, Any], fmt: ResponseFormat | None) -> dict[str, A
     return params
 
 
+def chat_logprobs_param(req: ChatCompletionRequest) -> dict[str, Any]:
+    """``logprobs: true`` (and ``top_logprobs: k``) as the runtime's ``logprobs=k``; as OpenAI,
+    ``top_logprobs`` needs ``logprobs: true``."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise HttpError(400, "top_logprobs: requires logprobs: true", param="top_logprobs")
+    return {"logprobs": req.top_logprobs or 0} if req.logprobs else {}
+
+
 def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as the worker's chat template takes them (text parts only), tool turns included."""
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "returning log probabilities")
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -167,7 +177,7 @@ def chat_params(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 #: The runtime's chat keywords, as this API names them in errors.
-CHAT_NAMES = {"think": "reasoning_effort"}
+CHAT_NAMES = {"think": "reasoning_effort", "logprobs": "top_logprobs"}
 
 
 def _missing(svc: Service, model: str, params: dict[str, Any]) -> HttpError | None:
@@ -189,8 +199,6 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         raise _unsupported("echo", "echoing the prompt")
     if req.best_of not in (None, 1):
         raise _unsupported("best_of", "best_of > 1")
-    if req.logprobs:
-        raise _unsupported("logprobs", "returning log probabilities")
     if req.suffix:
         raise _unsupported("suffix", "a suffix")
     prompt = req.prompt
@@ -235,6 +243,7 @@ class OpenAIApi:
                  else "max_tokens", **CHAT_NAMES}
         prompt = chat_prompt(req)
         params.update(chat_params(req))
+        params.update(chat_logprobs_param(req))
         refused = _missing(self.svc, model, params)
         if refused is not None:
             raise refused
@@ -242,13 +251,17 @@ class OpenAIApi:
         rid, created = new_id("chatcmpl"), int(time.time())
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            events = chat_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids)
+            events = chat_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids, n=req.n)
             return EventStream(events, headers=SSE_HEADERS, on_close=gen.on_close)
-        text, ids = await gen.collect(request.receive)
-        choice = ChatChoice(message=assistant_message(text, gen), finish_reason=chat_finish_reason(gen))
-        if req.return_token_ids:
-            choice.token_ids = ids
-        return json_response(ChatCompletion(id=rid, created=created, model=req.model, choices=[choice],
+        await gen.collect(request.receive)
+        choices = []
+        for r in gen.replies:
+            choice = ChatChoice(index=r.index, message=assistant_message(r),
+                                finish_reason=chat_finish_reason(r), logprobs=chat_logprobs(r.logprobs))
+            if req.return_token_ids:
+                choice.token_ids = r.ids
+            choices.append(choice)
+        return json_response(ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
                                             usage=usage_of(gen)))
 
     async def completions(self, request: Request) -> Response | EventStream:
@@ -257,36 +270,75 @@ class OpenAIApi:
         model = self.svc.model(req.model)
         params = constrain(sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
                            req.response_format)
+        if req.logprobs is not None:
+            params["logprobs"] = req.logprobs
         gen = await self.svc.start(request, "/v1/completions", completion_prompt(req), model, params, {}, t0)
         rid, created = new_id("cmpl"), int(time.time())
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            events = completion_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids)
+            events = completion_events(gen, rid, created, usage=usage, token_ids=req.return_token_ids,
+                                       n=req.n)
             return EventStream(events, headers=SSE_HEADERS, on_close=gen.on_close)
-        text, ids = await gen.collect(request.receive)
-        choice = CompletionChoice(text=text, finish_reason=gen.finish_reason)
-        if req.return_token_ids:
-            choice.token_ids = ids
-        return json_response(Completion(id=rid, created=created, model=req.model, choices=[choice],
+        await gen.collect(request.receive)
+        choices = []
+        for r in gen.replies:
+            choice = CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason,
+                                      logprobs=completion_logprobs(r.logprobs))
+            if req.return_token_ids:
+                choice.token_ids = r.ids
+            choices.append(choice)
+        return json_response(Completion(id=rid, created=created, model=req.model, choices=choices,
                                         usage=usage_of(gen)))
 
 
 
-def assistant_message(text: str, gen: Generation) -> AssistantMessage:
+def assistant_message(reply: Reply) -> AssistantMessage:
     """The reply: its text (null when it is only calls, as OpenAI sends it), reasoning and calls."""
-    msg = AssistantMessage(content=text if text or not gen.tool_calls else None)
-    if gen.reasoning:
-        msg.reasoning_content = msg.reasoning = gen.reasoning
-    if gen.tool_calls:
+    text = reply.text
+    msg = AssistantMessage(content=text if text or not reply.tool_calls else None)
+    if reply.reasoning:
+        msg.reasoning_content = msg.reasoning = reply.reasoning
+    if reply.tool_calls:
         msg.tool_calls = [ToolCallOut(id=c.id, function=FunctionOut(name=c.name, arguments=c.arguments))
-                          for c in gen.tool_calls]
+                          for c in reply.tool_calls]
     return msg
 
 
-def chat_finish_reason(gen: Generation, calls: int | None = None) -> str:
+def chat_finish_reason(reply: Reply, calls: int | None = None) -> str:
     """OpenAI's "tool_calls" when the reply called tools and stopped by itself."""
-    made = len(gen.tool_calls) if calls is None else calls
-    return "tool_calls" if made and gen.finish_reason == "stop" else gen.finish_reason
+    made = len(reply.tool_calls) if calls is None else calls
+    return "tool_calls" if made and reply.finish_reason == "stop" else reply.finish_reason
+
+
+def chat_logprobs(entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    """Chat's ``logprobs``: per token, its text, log-probability, bytes and ``top_logprobs``."""
+    if entries is None:
+        return None
+    return ChatLogprobs(content=[
+        LogprobOut(token=e.token, logprob=e.logprob, bytes=list(e.token_bytes),
+                   top_logprobs=[TopLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes))
+                                 for t in e.top])
+        for e in entries])
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> CompletionLogprobs | None:
+    """/v1/completions' ``logprobs``; `offset`: the tokens' text length before these (streaming).
+
+    Each ``top_logprobs`` entry holds the most likely tokens and the sampled one, as OpenAI's does;
+    ``text_offset`` counts the tokens' own text (as vLLM does), which is the completion's text
+    except where the detokenizer dropped a leading space or replaced broken UTF-8.
+    """
+    if entries is None:
+        return None
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for e in entries:
+        token = e.token
+        out.tokens.append(token)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append({**{t.token: t.logprob for t in e.top}, token: e.logprob})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
 
 
 def _sse(obj: object) -> bytes:
@@ -294,15 +346,19 @@ def _sse(obj: object) -> bytes:
 
 
 async def completion_events(
-    gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool
+    gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool, n: int = 1
 ) -> AsyncIterator[bytes]:
     """SSE events of a streamed /v1/completions; the same Struct is re-encoded per chunk."""
     choice = CompletionChoice(text="")
     chunk = Completion(id=rid, created=created, model=gen.model, choices=[choice],
                        usage=None if usage else msgspec.UNSET)
+    offsets = [0] * n  # each choice's token text so far, for its log-probabilities' text_offset
     try:
         async for c in gen.chunks():
+            choice.index = c.index
             choice.text = c.text
+            choice.logprobs = completion_logprobs(c.logprobs, offsets[c.index])
+            offsets[c.index] += sum(len(e.token) for e in c.logprobs or ())
             if token_ids:
                 choice.token_ids = c.tokens
             yield _sse(chunk)
@@ -310,35 +366,42 @@ async def completion_events(
         yield _error_event(exc)
         return
     choice.text = ""
-    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids):
+    choice.logprobs = None
+    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids, n=n):
         yield event
 
 
 async def chat_events(
-    gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool
+    gen: Generation, rid: str, created: int, *, usage: bool, token_ids: bool, n: int = 1
 ) -> AsyncIterator[bytes]:
-    """SSE events of a streamed /v1/chat/completions: role first, then content, reasoning and
-    tool-call deltas (each call whole, with its index, id, name and arguments)."""
+    """SSE events of a streamed /v1/chat/completions: role first (per choice), then content, reasoning
+    and tool-call deltas (each call whole, with its index, id, name and arguments), log-probabilities
+    with the tokens they belong to; with n > 1 each chunk's choice has its `index`."""
     delta = Delta(role="assistant", content="")
     choice = ChatChunkChoice(delta=delta)
     chunk = ChatCompletionChunk(id=rid, created=created, model=gen.model, choices=[choice],
                                 usage=None if usage else msgspec.UNSET)
-    calls = 0
+    calls = [0] * n  # calls streamed so far, per choice
     try:
         if token_ids:
             choice.token_ids = []
-        yield _sse(chunk)
+        for i in range(n):
+            choice.index = i
+            yield _sse(chunk)
         delta.role = None
         async for c in gen.chunks():
+            choice.index = c.index
             delta.content = c.text if c.text or not (c.reasoning or c.tool_calls) else None
             delta.reasoning_content = delta.reasoning = c.reasoning or None
             delta.tool_calls = None
             if c.tool_calls:
+                first = calls[c.index]
                 delta.tool_calls = [
-                    ToolCallDelta(index=calls + k, id=t.id,
+                    ToolCallDelta(index=first + k, id=t.id,
                                   function=FunctionOut(name=t.name, arguments=t.arguments))
                     for k, t in enumerate(c.tool_calls)]
-                calls += len(c.tool_calls)
+                calls[c.index] += len(c.tool_calls)
+            choice.logprobs = chat_logprobs(c.logprobs)
             if token_ids:
                 choice.token_ids = c.tokens
             yield _sse(chunk)
@@ -349,19 +412,27 @@ async def chat_events(
         gen.stream.close()  # also when the role chunk was the last thing sent
     delta.content = delta.reasoning_content = delta.reasoning = None
     delta.tool_calls = None
-    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids,
-                               reason=chat_finish_reason(gen, calls)):
+    choice.logprobs = None
+    for event in _final_events(gen, chunk, choice, usage=usage, token_ids=token_ids, n=n, calls=calls):
         yield event
 
 
 def _final_events(
-    gen: Generation, chunk: Any, choice: Any, *, usage: bool, token_ids: bool, reason: str | None = None
+    gen: Generation, chunk: Any, choice: Any, *, usage: bool, token_ids: bool, n: int = 1,
+    calls: list[int] | None = None,
 ) -> Iterator[bytes]:
-    """A stream's end: the chunk with the finish reason, the usage chunk if asked, [DONE]."""
-    choice.finish_reason = reason or gen.finish_reason
+    """A stream's end: each choice's chunk with its finish reason, the usage chunk if asked, [DONE].
+
+    `calls`: the tool calls each choice streamed (chat: "tool_calls" when it made some and stopped).
+    """
     if token_ids:
         choice.token_ids = []
-    yield _sse(chunk)
+    stats = gen.stream.choice_stats
+    for i in range(n):
+        choice.index = i
+        reason = stats[i].finish_reason if i in stats else gen.finish_reason
+        choice.finish_reason = "tool_calls" if calls and calls[i] and reason == "stop" else reason
+        yield _sse(chunk)
     if usage:
         chunk.choices = []
         chunk.usage = usage_of(gen)

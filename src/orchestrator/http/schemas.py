@@ -179,11 +179,44 @@ class Usage(Struct):
     prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
+class TopLogprobOut(Struct, kw_only=True):
+    """One of the most likely tokens at a position (chat ``top_logprobs``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobOut(Struct, kw_only=True):
+    """A generated token's log-probability (chat ``logprobs.content``)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    content: list[LogprobOut]
+    refusal: None = None
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    """/v1/completions' (legacy) log-probabilities: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    #: Per token, the most likely tokens and the sampled one, text -> log-probability.
+    top_logprobs: list[dict[str, float]]
+    #: Each token's character offset in the completion's text.
+    text_offset: list[int]
+
+
 class CompletionChoice(Struct, kw_only=True):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET  # extension, with ``return_token_ids: true``
 
 
@@ -229,7 +262,7 @@ class ChatChoice(Struct, kw_only=True):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
 
 
@@ -254,7 +287,7 @@ class ChatChunkChoice(Struct, kw_only=True):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
 
 
@@ -361,6 +394,18 @@ class OllamaShowRequest(Strict, kw_only=True):
 # ---- Ollama responses -------------------------------------------------------
 
 
+class OllamaTokenLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | UnsetType = UNSET
+
+
+class OllamaLogprob(OllamaTokenLogprob, kw_only=True):
+    """A generated token's log-probability and, with ``top_logprobs``, the most likely tokens."""
+
+    top_logprobs: list[OllamaTokenLogprob] | UnsetType = UNSET
+
+
 class OllamaChunk(Struct, kw_only=True):
     """Fields of every Ollama chunk; the timings appear on the final one (``done: true``) only."""
 
@@ -374,6 +419,8 @@ class OllamaChunk(Struct, kw_only=True):
     prompt_eval_duration: int | UnsetType = UNSET
     eval_count: int | UnsetType = UNSET
     eval_duration: int | UnsetType = UNSET
+    #: With ``logprobs: true``: one entry per token of this chunk.
+    logprobs: list[OllamaLogprob] | UnsetType = UNSET
 
 
 class OllamaGenerateChunk(OllamaChunk, kw_only=True):

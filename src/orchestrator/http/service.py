@@ -22,7 +22,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ...ipc.protocol import Capabilities, ToolCall
+from ...ipc.protocol import Capabilities, TokenLogprob, ToolCall
 from ..chat import missing_capability
 from ..errors import MlxrtError
 from ..runtime import AsyncRuntime, AsyncStream, Chunk
@@ -89,6 +89,36 @@ def iso_now() -> str:
     return iso(time.time())
 
 
+@dataclass
+class Reply:
+    """One choice of a collected generation: its text, ids, reasoning, calls and log-probabilities."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    thoughts: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    #: None unless the request asked for log-probabilities.
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str = "stop"
+
+    def add(self, c: Chunk) -> None:
+        self.texts.append(c.text)
+        self.ids.extend(c.tokens)
+        self.thoughts.append(c.reasoning)
+        self.tool_calls.extend(c.tool_calls)
+        if c.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + c.logprobs
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thoughts)
+
+
 class Generation:
     """One generation in flight: its stream, its first chunk and what the client received.
 
@@ -96,7 +126,7 @@ class Generation:
     """
 
     __slots__ = ("svc", "endpoint", "model", "stream", "first", "t0", "ttft_s", "tokens", "_finished",
-                 "reasoning", "tool_calls")
+                 "reasoning", "tool_calls", "replies")
 
     def __init__(self, svc: Service, endpoint: str, model: str, stream: AsyncStream, t0: float) -> None:
         self.svc = svc
@@ -108,9 +138,11 @@ class Generation:
         self.ttft_s = 0.0
         self.tokens = 0
         self._finished = False
-        #: A chat reply's reasoning and tool calls, once `collect` has run.
+        #: A chat reply's reasoning and tool calls, once `collect` has run (the first choice's).
         self.reasoning = ""
         self.tool_calls: list[ToolCall] = []
+        #: Every choice (n > 1: several), once `collect` has run.
+        self.replies: list[Reply] = []
 
     @property
     def prompt_tokens(self) -> int:
@@ -121,17 +153,15 @@ class Generation:
         return self.stream.finish_reason or "stop"
 
     async def collect(self, receive) -> tuple[str, list[int]]:
-        """The whole completion (text, ids; `reasoning` and `tool_calls` set aside); the generation
-        stops if the client disconnects."""
-        texts: list[str] = []
-        ids: list[int] = []
-        thoughts: list[str] = []
+        """The whole completion (text, ids; `reasoning` and `tool_calls` set aside), the first
+        choice's; every choice in `replies`. The generation stops if the client disconnects."""
+        replies: dict[int, Reply] = {}
 
         def add(c: Chunk) -> None:
-            texts.append(c.text)
-            ids.extend(c.tokens)
-            thoughts.append(c.reasoning)
-            self.tool_calls.extend(c.tool_calls)
+            reply = replies.get(c.index)
+            if reply is None:
+                reply = replies[c.index] = Reply(c.index)
+            reply.add(c)
 
         if self.first is not None:
             add(self.first)
@@ -141,10 +171,15 @@ class Generation:
                 add(c)
 
         await self.unless_gone(receive, drain())
-        self.tokens = len(ids)
-        self.reasoning = "".join(thoughts)
+        stats = self.stream.choice_stats
+        self.replies = [replies.get(i) or Reply(i) for i in sorted(set(replies) | set(stats) | {0})]
+        for r in self.replies:
+            r.finish_reason = stats[r.index].finish_reason if r.index in stats else self.finish_reason
+        first = self.replies[0]
+        self.tokens = sum(len(r.ids) for r in self.replies)
+        self.reasoning, self.tool_calls = first.reasoning, first.tool_calls
         self.finish(self.finish_reason)
-        return "".join(texts), ids
+        return first.text, first.ids
 
     async def unless_gone(self, receive, work: Awaitable[T]) -> T:
         """Await `work` unless the client disconnects first; a disconnect or a runtime error
