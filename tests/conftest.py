@@ -31,8 +31,8 @@ def reference(tiny_model):
     return load(tiny_model)
 
 
-def created_here(path: str) -> bool:
-    """True if the ring header at `path` names this process as its creator.
+def created_here(path: str, pid: int | None = None) -> bool:
+    """True if the ring header at `path` names this process (or `pid`) as its creator.
 
     Other programs on the machine may use rings at the same time; only ours count.
     """
@@ -45,7 +45,7 @@ def created_here(path: str) -> bool:
         return False
     if len(head) < ring._IDENTITY.size:
         return False  # being created by someone right now: not a leak of ours
-    return ring._IDENTITY.unpack(head)[ring._CREATOR_PID // 8] == os.getpid()
+    return ring._IDENTITY.unpack(head)[ring._CREATOR_PID // 8] == (pid or os.getpid())
 
 
 def _children() -> set[int]:
