@@ -1,9 +1,10 @@
-"""What both APIs share: the `Service` their handlers hold and the `Generation` they stream.
+"""What every API shares: the `Service` their handlers hold and the `Generation` they stream.
 
 `Service` holds the runtime, the config and the metrics; it resolves model
 names (a name, or the path a model is served from), reads and checks bodies
-(`body.py`), checks sampling parameters against the model and starts
-generations. Imports run one way: app.py, then openai.py and ollama.py, then this.
+(`body.py`), checks sampling parameters and capabilities against the model and
+starts generations. Imports run one way: app.py, then the APIs (openai.py,
+ollama.py, anthropic.py, responses.py), then this.
 """
 
 from __future__ import annotations
@@ -123,28 +124,24 @@ class Generation:
     async def collect(self, receive) -> tuple[str, list[int]]:
         """The whole completion (text, ids; `reasoning` and `tool_calls` set aside); the generation
         stops if the client disconnects."""
-        texts: list[str] = []
-        ids: list[int] = []
-        thoughts: list[str] = []
+        chunks = await self.all_chunks(receive)
+        return "".join(c.text for c in chunks), [t for c in chunks for t in c.tokens]
 
-        def add(c: Chunk) -> None:
-            texts.append(c.text)
-            ids.extend(c.tokens)
-            thoughts.append(c.reasoning)
-            self.tool_calls.extend(c.tool_calls)
-
-        if self.first is not None:
-            add(self.first)
+    async def all_chunks(self, receive) -> list[Chunk]:
+        """Every chunk of the completion, in order (`reasoning` and `tool_calls` gathered too); the
+        generation stops if the client disconnects."""
+        chunks = [] if self.first is None else [self.first]
 
         async def drain() -> None:
             async for c in self.stream:
-                add(c)
+                chunks.append(c)
 
         await self.unless_gone(receive, drain())
-        self.tokens = len(ids)
-        self.reasoning = "".join(thoughts)
+        self.tokens = sum(len(c.tokens) for c in chunks)
+        self.reasoning = "".join(c.reasoning for c in chunks)
+        self.tool_calls.extend(t for c in chunks for t in c.tool_calls)
         self.finish(self.finish_reason)
-        return "".join(texts), ids
+        return chunks
 
     async def unless_gone(self, receive, work: Awaitable[T]) -> T:
         """Await `work` unless the client disconnects first; a disconnect or a runtime error
@@ -238,6 +235,20 @@ class Service:
         """"thinking" or "tools" when the request needs what the model lacks (unknown: None, the
         worker checks)."""
         return missing_capability(self.capabilities(name), thinking=thinking, tools=tools)
+
+    def refuse_missing(self, model: str, params: Mapping[str, Any], *, think_param: str,
+                       tools_param: str = "tools") -> None:
+        """`HttpError` 400 naming the field when the runtime keywords `params` ask `model` for
+        thinking or tools it does not support (``think: false`` and tool choice "none" ask nothing)."""
+        thinking = params.get("think") not in (None, False)
+        tools = bool(params.get("tools")) and params.get("tool_choice") != "none"
+        missing = self.missing_capability(model, thinking=thinking, tools=tools)
+        if missing is None:
+            return
+        param = tools_param if missing == "tools" else think_param
+        why = " (mlx-lm has no tool-call parser for its format)" if missing == "tools" else ""
+        raise HttpError(400, f"{param}: model {model!r} does not support {missing}{why}", param=param,
+                        code="unsupported_parameter")
 
     def model(self, requested: str, *, ollama: bool = False) -> str:
         """The served model called `requested`, or served from the path `requested` (Ollama's
