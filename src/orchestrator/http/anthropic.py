@@ -386,7 +386,7 @@ class AnthropicApi:
         params = constrain(sampling_params(req), req)
         params.update(chat)
         gen = await self.svc.start(request, "/v1/messages", prompt, model, params, NAMES, t0)
-        message = Message(id=new_id("msg"), model=req.model, content=[], usage=Usage(input_tokens=0,
+        message = Message(id=new_id("msg", "_"), model=req.model, content=[], usage=Usage(input_tokens=0,
                                                                                       output_tokens=0))
         thinking = shows_thinking(req)
         if req.stream:

@@ -29,7 +29,6 @@ OpenAI, the earlier ``instructions`` are not carried over.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -88,7 +87,7 @@ from .responses_schemas import (
     TextConfig,
 )
 from .schemas import ENCODER
-from .service import UNLIMITED_TOKENS, Generation, Service, json_response
+from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's default temperature; mlxrt's own is greedy.
@@ -109,11 +108,6 @@ def routes(svc: Service) -> list[Route]:
         Route("/v1/responses/{response_id}", api.get, methods=["GET"]),
         Route("/v1/responses/{response_id}", api.delete, methods=["DELETE"]),
     ]
-
-
-def new_id(prefix: str) -> str:
-    """An id in OpenAI's form: ``resp_...``, ``msg_...``, ``rs_...``, ``fc_...``."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _unsupported(param: str, what: str) -> HttpError:
@@ -302,12 +296,12 @@ def _function(tool) -> dict[str, Any]:
 
 def output_item(block: Block, *, status: str = "completed") -> OutputItem:
     if block.kind == "reasoning":
-        return ReasoningOut(id=new_id("rs"), content=[ReasoningText(block.text)], status=status)
+        return ReasoningOut(id=new_id("rs", "_"), content=[ReasoningText(block.text)], status=status)
     if block.kind == "text":
-        return MessageOut(id=new_id("msg"), content=[OutputText(text=block.text)], status=status)
+        return MessageOut(id=new_id("msg", "_"), content=[OutputText(text=block.text)], status=status)
     call = block.call
     assert call is not None
-    return FunctionCallOut(id=new_id("fc"), call_id=call.id, name=call.name, arguments=call.arguments,
+    return FunctionCallOut(id=new_id("fc", "_"), call_id=call.id, name=call.name, arguments=call.arguments,
                            status=status)
 
 
@@ -340,7 +334,7 @@ class Turn:
         self.store = store if req.store else None
         fmt = req.text.format if req.text and req.text.format else FormatText()
         self.response = Response(
-            id=new_id("resp"), created_at=int(time.time()), status="in_progress", model=req.model,
+            id=new_id("resp", "_"), created_at=int(time.time()), status="in_progress", model=req.model,
             instructions=req.instructions, previous_response_id=req.previous_response_id,
             max_output_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
             tools=req.tools or [], tool_choice=msgspec.to_builtins(req.tool_choice or "auto"),
@@ -352,7 +346,7 @@ class Turn:
         """Complete the response (or mark it incomplete, cut by max_output_tokens) and store it."""
         r = self.response
         if not output:  # as chat completions' content "": an empty message
-            output = [MessageOut(id=new_id("msg"), content=[OutputText(text="")])]
+            output = [MessageOut(id=new_id("msg", "_"), content=[OutputText(text="")])]
         r.output = output
         if gen.finish_reason == "length":
             r.status, r.incomplete_details = "incomplete", IncompleteDetails("max_output_tokens")

@@ -332,8 +332,9 @@ def check_vocabulary(params: Mapping[str, Any], vocab_size: int, names: Mapping[
                              f"{bad[:5]}", param=name)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """``chatcmpl-...`` (OpenAI chat); with ``sep="_"``, ``msg_...``, ``resp_...`` (Anthropic, Responses)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def json_response(obj: object, status: int = 200) -> Response:
