@@ -208,8 +208,11 @@ def _item(i: int, raw: Any) -> MessageItem | FunctionCallItem | FunctionCallOutp
                              f"{known})", param=f"input[{i}].type")
     try:
         return msgspec.convert(raw, cls)
-    except msgspec.ValidationError as exc:
-        raise from_decode_error(exc, f"input[{i}]") from None
+    except msgspec.ValidationError as exc:  # msgspec's path starts at the item: make it the body's
+        text = str(exc)
+        at = f"`$.input[{i}]"
+        text = text.replace("`$", at) if "`$" in text else f"{text} - at {at}`"
+        raise from_decode_error(msgspec.ValidationError(text)) from None
 
 
 def _text(i: int, content: str | list[Any], field: str, sep: str = "\n") -> str:
