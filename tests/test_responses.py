@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import assert_stopped
 from pydantic import BaseModel, Field
-from test_http import metric, running
+from test_http import NO_RESTART, ServerThread, metric, running
 from test_tools_http import SCRIPTED, THINKERS, scripted_env  # noqa: F401 -- scripted_env is a fixture
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -294,3 +298,39 @@ def test_bad_input_is_a_400_in_openai_shape_and_reaches_no_worker(srv, http, bod
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and param.rpartition(".")[2] in err["message"]
     assert sum(w.requests for w in srv.rt.workers) == sent
+
+
+def test_worker_death_mid_stream_in_messages_and_responses(tiny_model):
+    """A worker killed mid-stream ends a Messages stream with an error event and a Responses stream
+    with response.failed, each in its API's shape; with no worker left, each is a 503."""
+    s = ServerThread({"a": tiny_model, "b": tiny_model}, **NO_RESTART)
+    url = s.start()
+    pids = s.pids
+    try:
+        by_model = {w.model: w.pid for w in s.rt.workers}
+        with httpx.Client(base_url=url, timeout=30) as c:
+            hi = [{"role": "user", "content": "Hi"}]
+            body = {"model": "a", "max_tokens": 500, "stream": True, "messages": hi}
+            with c.stream("POST", "/v1/messages", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(by_model["a"], signal.SIGKILL)
+                rest = [x for x in lines if x]
+            assert rest[-2] == "event: error"
+            error = json.loads(rest[-1][len("data: "):])
+            assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+            body = {"model": "b", "max_output_tokens": 500, "stream": True, "input": "Hi"}
+            with c.stream("POST", "/v1/responses", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(by_model["b"], signal.SIGKILL)
+                last = json.loads([x for x in lines if x.startswith("data: ")][-1][len("data: "):])
+            assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+            assert last["response"]["error"]["code"] == "worker_unavailable"
+            after = c.post("/v1/messages", json={"model": "a", "max_tokens": 2, "messages": hi})
+            assert after.status_code == 503 and after.json()["error"]["type"] == "overloaded_error"
+            after = c.post("/v1/responses", json={"model": "b", "input": "Hi"})
+            assert after.status_code == 503 and after.json()["error"]["code"] == "worker_unavailable"
+    finally:
+        s.stop()
+    assert_stopped(pids)
