@@ -146,6 +146,70 @@ def together(api: str, port: int, tokens: int, streams: int) -> tuple[float, lis
     return sum(s.tokens - 1 for s in done) / (last - first), done
 
 
+class _Replay:
+    """Stands in for a generation's `AsyncStream`: replays chunks, as the worker would send them."""
+
+    def __init__(self, chunks: list) -> None:
+        from mlxrt.ipc.protocol import Stats
+
+        self._it = iter(chunks)
+        self.stats = Stats(prompt_tokens=32, generation_tokens=len(chunks), finish_reason="length")
+        self.finish_reason = "length"
+
+    def __aiter__(self) -> _Replay:
+        return self
+
+    async def __anext__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        pass
+
+
+def encode_cost(tokens: int, rounds: int) -> dict[str, Any]:
+    """Microseconds per token of each API's streaming encoder alone, in-process: its event generator
+    over `tokens` one-token chunks (what the server does per token, less the ASGI send)."""
+    import asyncio
+
+    from mlxrt.orchestrator.http import anthropic, openai, responses
+    from mlxrt.orchestrator.http.anthropic_schemas import Message, Usage
+    from mlxrt.orchestrator.http.responses_schemas import ResponsesRequest
+    from mlxrt.orchestrator.http.service import Generation
+    from mlxrt.orchestrator.runtime import Chunk
+
+    def generation() -> Generation:
+        chunks = [Chunk(text=f" word{i % 50}", tokens=[i % 1000]) for i in range(tokens)]
+        return Generation(None, "bench", MODEL_NAME, _Replay(chunks), 0.0)  # type: ignore[arg-type]
+
+    def message() -> Message:
+        return Message(id="msg_1", model=MODEL_NAME, content=[], usage=Usage(input_tokens=0, output_tokens=0))
+
+    encoders = {
+        "chat": lambda g: openai.chat_events(g, "chatcmpl-1", 0, usage=True, token_ids=False),
+        "messages": lambda g: anthropic.message_events(g, message(), thinking=True),
+        "responses": lambda g: responses.response_events(g, responses.Turn(
+            ResponsesRequest(model=MODEL_NAME, input="x", store=False), [], responses.ResponseStore(0))),
+    }
+
+    async def drain(events) -> int:
+        return sum([len(b) async for b in events])
+
+    us: dict[str, list[float]] = {api: [] for api in APIS}
+    size: dict[str, int] = {}
+    for r in range(rounds + 1):
+        for api in APIS[r % 3:] + APIS[: r % 3]:
+            gen = generation()
+            t0 = time.perf_counter()
+            size[api] = asyncio.run(drain(encoders[api](gen)))
+            if r:
+                us[api].append((time.perf_counter() - t0) * 1e6 / tokens)
+    return {"tokens": tokens, "rounds": rounds, "us_per_token": {a: spread(v) for a, v in us.items()},
+            "bytes_per_token": {a: size[a] / tokens for a in APIS}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.apis", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default=None, help="synthetic preset (default: small on a CPU, the real "
@@ -154,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="max tokens per request (default 256)")
     p.add_argument("--rounds", type=int, default=7, help="measured rounds (default 7)")
     p.add_argument("--streams", type=int, default=1, help="requests at a time per API (default 1)")
+    p.add_argument("--encode", action="store_true",
+                   help="only the per-token cost of each API's streaming encoder, in-process (no model)")
     args = p.parse_args(argv)
+    if args.encode:
+        return print_encode_cost(encode_cost(20_000, args.rounds))
     preset = args.preset or default_preset()
     path = args.model or str(ensure_model(preset))
     server = HttpStream(path, extra_args=["--prompt-cache-bytes", "0"])
@@ -198,6 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsame text and token count through all three APIs in every round: {same}")
     print(json.dumps(finite(out)))
     return 0 if all(identical) else 1
+
+
+def print_encode_cost(out: dict[str, Any]) -> int:
+    print(f"streaming encoders, {out['tokens']} one-token chunks, {out['rounds']} rounds (medians, min-max)")
+    print("| API | us per token | bytes per token |")
+    print("|---|---|---|")
+    for a in APIS:
+        u = out["us_per_token"][a]
+        size = out["bytes_per_token"][a]
+        print(f"| {a} | {u['median']:.2f} ({u['min']:.2f}-{u['max']:.2f}) | {size:.0f} |")
+    out["env"] = describe()
+    print(json.dumps(finite(out)))
+    return 0
 
 
 if __name__ == "__main__":

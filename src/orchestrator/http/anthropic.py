@@ -34,7 +34,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ...ipc.protocol import REASONING_EFFORTS
 from ..errors import MlxrtError
 from ..structured import check_tool_schema, json_schema_grammar
 from .anthropic_schemas import (
@@ -68,7 +67,7 @@ from .anthropic_schemas import (
     ToolUseBlock,
     Usage,
 )
-from .blocks import Block, collect, events
+from .blocks import Block, BlockEvents, collect
 from .errors import HttpError, anthropic_error, from_runtime_error
 from .schemas import ENCODER
 from .service import Generation, Service, json_response, new_id
@@ -254,9 +253,7 @@ def thinking_param(req: CountTokensRequest) -> bool | str | None:
         return False
     effort = req.output_config.effort if req.output_config else None
     if effort is not None:
-        effort = EFFORTS.get(effort, effort)
-        assert effort in REASONING_EFFORTS
-        return effort
+        return EFFORTS.get(effort, effort)
     if req.thinking is None or isinstance(req.thinking, ThinkingAdaptive):
         return None
     return True
@@ -334,7 +331,7 @@ async def message_events(gen: Generation, message: Message, *, thinking: bool) -
     text, thought = TextDelta(""), ThinkingDelta("")
     delta = ContentBlockDelta(0, text)
     try:
-        async for e in events(gen.chunks()):
+        async for e in BlockEvents(gen.chunks()):
             if e.type == "delta":
                 if e.block.kind == "text":
                     text.text = e.text

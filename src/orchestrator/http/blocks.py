@@ -42,6 +42,16 @@ def parts(chunk: Chunk) -> Iterator[Block]:
         yield Block("call", call=call)
 
 
+def reasoning_tokens(chunks: Iterable[Chunk]) -> int:
+    """Tokens of the chunks that carried only reasoning (a chunk is a token or a few): OpenAI's
+    `reasoning_tokens`, as near as the chunks tell."""
+    return sum(len(c.tokens) for c in chunks if _reasoning_only(c))
+
+
+def _reasoning_only(chunk: Chunk) -> bool:
+    return bool(chunk.reasoning) and not chunk.text and not chunk.tool_calls
+
+
 def collect(chunks: Iterable[Chunk]) -> list[Block]:
     """The reply's blocks: consecutive reasoning or text parts merged, each call a block."""
     out: list[Block] = []
@@ -69,28 +79,50 @@ class BlockEvent:
     text: str = ""
 
 
-async def events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[BlockEvent]:
+class BlockEvents:
     """The reply as block events, in order: a block opens at its first part and closes when a part
-    of another kind comes, or at the end. A call is a start and a stop, nothing between."""
-    index = -1
-    current: Block | None = None
-    pieces: list[str] = []  # the open block's text, joined when it closes
-    async for chunk in chunks:
-        for part in parts(chunk):
-            if current is not None and (part.kind == "call" or part.kind != current.kind):
-                current.text = "".join(pieces)
-                yield BlockEvent("stop", index, current)
-                current = None
-            index += 1 if current is None else 0
-            if part.kind == "call":
-                yield BlockEvent("start", index, part)
-                yield BlockEvent("stop", index, part)
+    of another kind comes, or at the end; a call is a start and a stop, nothing between.
+
+    One `delta` event is reused for every delta (read it before asking for the next event), and a
+    chunk of answer text that continues the open block skips the parts machinery: this is the
+    per-token path. `reasoning_tokens` counts as the function of that name does.
+    """
+
+    def __init__(self, chunks: AsyncIterator[Chunk]) -> None:
+        self.chunks = chunks
+        self.reasoning_tokens = 0
+
+    async def __aiter__(self) -> AsyncIterator[BlockEvent]:
+        index = -1
+        current: Block | None = None
+        pieces: list[str] = []  # the open block's text, joined when it closes
+        delta = BlockEvent("delta", 0, Block("text"))
+        async for chunk in self.chunks:
+            if chunk.reasoning or chunk.tool_calls or current is None or current.kind != "text":
+                if _reasoning_only(chunk):
+                    self.reasoning_tokens += len(chunk.tokens)
+            elif chunk.text:  # more answer text: the common case
+                pieces.append(chunk.text)
+                delta.text = chunk.text
+                yield delta
                 continue
-            if current is None:
-                current, pieces = Block(part.kind), []
-                yield BlockEvent("start", index, current)
-            pieces.append(part.text)
-            yield BlockEvent("delta", index, current, part.text)
-    if current is not None:
-        current.text = "".join(pieces)
-        yield BlockEvent("stop", index, current)
+            for part in parts(chunk):
+                if current is not None and (part.kind == "call" or part.kind != current.kind):
+                    current.text = "".join(pieces)
+                    yield BlockEvent("stop", index, current)
+                    current = None
+                index += 1 if current is None else 0
+                if part.kind == "call":
+                    yield BlockEvent("start", index, part)
+                    yield BlockEvent("stop", index, part)
+                    continue
+                if current is None:
+                    current, pieces = Block(part.kind), []
+                    delta.index, delta.block = index, current
+                    yield BlockEvent("start", index, current)
+                pieces.append(part.text)
+                delta.text = part.text
+                yield delta
+        if current is not None:
+            current.text = "".join(pieces)
+            yield BlockEvent("stop", index, current)

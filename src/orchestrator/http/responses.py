@@ -40,9 +40,8 @@ from starlette.responses import Response as HttpResponse
 from starlette.routing import Route
 
 from ..errors import MlxrtError
-from ..runtime import Chunk
 from ..structured import ANY_JSON_OBJECT, check_tool_schema, json_schema_grammar
-from .blocks import Block, collect, events
+from .blocks import Block, BlockEvents, collect, reasoning_tokens
 from .errors import HttpError, from_decode_error, from_runtime_error
 from .responses_schemas import (
     ITEM_TYPES,
@@ -323,11 +322,6 @@ def assistant_turn(output: Iterable[OutputItem]) -> dict[str, Any]:
     return turn
 
 
-def reasoning_tokens(chunks: Iterable[Chunk]) -> int:
-    """Tokens of the chunks that carried only reasoning (a chunk is a token or a few)."""
-    return sum(len(c.tokens) for c in chunks if c.reasoning and not c.text and not c.tool_calls)
-
-
 class Turn:
     """One request's response as it is built: the `Response` echoing the request, the conversation
     before it, and how it ends (status, usage, the store)."""
@@ -398,16 +392,9 @@ async def response_events(gen: Generation, turn: Turn) -> AsyncIterator[bytes]:
     output: list[OutputItem] = []
     text = OutputTextDelta(item_id="", output_index=0, delta="")
     thought = ReasoningTextDelta(item_id="", output_index=0, delta="")
-    counted: list[Chunk] = []
-
-    async def chunks() -> AsyncIterator[Chunk]:
-        async for c in gen.chunks():
-            if c.reasoning and not c.text and not c.tool_calls:
-                counted.append(c)
-            yield c
-
+    blocks = BlockEvents(gen.chunks())
     try:
-        async for e in events(chunks()):
+        async for e in blocks:
             if e.type == "delta":
                 delta = text if e.block.kind == "text" else thought
                 delta.delta = e.text
@@ -431,7 +418,7 @@ async def response_events(gen: Generation, turn: Turn) -> AsyncIterator[bytes]:
         output.append(item := output_item(empty, status="in_progress"))
         for event in [*_item_start(0, item, empty), *_item_stop(0, item, empty)]:
             yield sse(event)
-    response = turn.finish(gen, output, sum(len(c.tokens) for c in counted))
+    response = turn.finish(gen, output, blocks.reasoning_tokens)
     end = ResponseIncomplete if response.status == "incomplete" else ResponseCompleted
     yield sse(end(response=response))
 
