@@ -108,6 +108,7 @@ def test_streamed_events(oai, http):
     assert last["status"] == "incomplete" and last["usage"]["output_tokens"] == 8
     assert last["output"][0]["content"][0]["text"] == full.output_text
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    assert oai.responses.retrieve(last["id"]).output_text == full.output_text  # stored at its end too
 
 
 @pytest.mark.parametrize("model", THINKERS)
