@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_RESPONSES_STORE,
     )
 
-    srv = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs (docs/http.md)")
+    srv = sub.add_parser("serve", help="serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs "
+                                        "(docs/http.md)")
     srv.add_argument("--model", "-m", action="append", required=True,
                      help="name=path, or a bare path (named by its directory name); repeat for several")
     srv.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
