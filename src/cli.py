@@ -69,6 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key or os.environ.get("MLXRT_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
+        responses_store=args.responses_store,
     )
     try:
         serve(models, config=config, workers=args.workers, transport=args.transport,
@@ -128,9 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    from .orchestrator.http.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT
+    from .orchestrator.http.config import (
+        DEFAULT_HOST,
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_PORT,
+        DEFAULT_RESPONSES_STORE,
+    )
 
-    srv = sub.add_parser("serve", help="serve OpenAI- and Ollama-compatible HTTP APIs (docs/http.md)")
+    srv = sub.add_parser("serve", help="serve OpenAI-, Ollama- and Anthropic-compatible HTTP APIs "
+                                        "(docs/http.md)")
     srv.add_argument("--model", "-m", action="append", required=True,
                      help="name=path, or a bare path (named by its directory name); repeat for several")
     srv.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default: {DEFAULT_HOST})")
@@ -139,9 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--spares", type=int, default=0,
                      help="hot spares per model: loaded standby workers that take a crashed worker's "
                           "place at once (default: 0; each holds the model in memory)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $MLXRT_API_KEY)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                                        "(default: $MLXRT_API_KEY)")
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="larger request bodies get 413")
+    srv.add_argument("--responses-store", type=int, default=DEFAULT_RESPONSES_STORE, metavar="N",
+                     help="keep the last N Responses-API responses in memory for previous_response_id "
+                          f"and GET /v1/responses/ID (default: {DEFAULT_RESPONSES_STORE}; 0 keeps none)")
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     _add_engine_flags(srv)
     srv.set_defaults(func=_cmd_serve)

@@ -353,7 +353,8 @@ def test_api_key_is_required_when_configured(srv):
     wrong = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     assert httpx.get(url + "/api/tags").json() == {"error": "missing or wrong API key: send "
-                                                            "'Authorization: Bearer <key>'"}
+                                                            "'Authorization: Bearer <key>' (or "
+                                                            "'x-api-key: <key>')"}
     assert httpx.get(url + "/health").status_code == 200
     with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0) as client:
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None

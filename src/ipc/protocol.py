@@ -242,6 +242,8 @@ class Stats(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     #: Mean number of sequences decoded together over this request's decode steps.
     mean_batch_size: float = 0.0
+    #: The stop string that ended the reply ("" when none did), as Anthropic's `stop_sequence` reports it.
+    stop_sequence: str = ""
 
 
 # ---- orchestrator -> worker -------------------------------------------------

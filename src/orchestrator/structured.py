@@ -13,6 +13,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import jsonschema
 import llguidance
 import msgspec
 
@@ -47,6 +48,27 @@ def json_schema_grammar(schema: Mapping[str, Any] | bool | str, field: str = "js
     if problem:
         raise ValueError(f"invalid {field}: {problem}")
     return grammar
+
+
+def check_tool_schema(schema: Any, field: str) -> None:
+    """`ValueError` ``invalid <field>: ...`` unless `schema` is a valid JSON schema of an object.
+
+    A tool's input schema, checked against the JSON Schema meta-schema (its ``$schema``'s draft,
+    else 2020-12, as Anthropic's API does) rather than by llguidance: a tool the model may call
+    freely needs no grammar, so a valid keyword llguidance cannot enforce is no reason to refuse it.
+    """
+    if not isinstance(schema, dict):
+        raise ValueError(f"invalid {field}: a JSON schema object is required")
+    if schema.get("type") != "object":
+        kind = schema.get("type")
+        raise ValueError(f'invalid {field}.type={kind!r}: must be "object" (a tool takes an object)')
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
+        raise ValueError(f"invalid {field}: not a valid JSON schema: {exc.message} (at {where or '.'})"
+                         ) from None
 
 
 def check_grammar(grammar: Grammar) -> Grammar:

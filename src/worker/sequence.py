@@ -148,6 +148,8 @@ class TextStream:
         self._text = ""
         self._sent = 0
         self._stopped = False
+        #: The stop string that ended the text, once one has.
+        self.stop_hit = ""
 
     def add(self, token: int) -> bool:
         """Emit the token and its text; return True when a stop string was hit."""
@@ -161,6 +163,7 @@ class TextStream:
         hit = _first_stop(self._text, self._stop, search_from)
         if hit is not None:
             self._stopped = True
+            self.stop_hit = next(s for s in self._stop if self._text.startswith(s, hit))
             self._emit(token, self._text[self._sent : hit])
             self._sent = len(self._text)
             return True
@@ -253,4 +256,5 @@ class Sequence:
             finish_reason=finish,
             cached_tokens=self.cached_tokens,
             mean_batch_size=self.batch_size_sum / self.steps if self.steps else 0.0,
+            stop_sequence=self.text.stop_hit,
         )

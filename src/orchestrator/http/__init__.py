@@ -1,4 +1,4 @@
-"""The HTTP server: OpenAI- and Ollama-compatible APIs over an `AsyncRuntime`, in the orchestrator.
+"""The HTTP server: OpenAI-, Ollama- and Anthropic-compatible APIs over an `AsyncRuntime`.
 
 `app.create_app` builds the ASGI app over a started runtime; `server.serve`
 runs it with uvicorn for ``mlxrt serve``. This package's top level imports

@@ -1,6 +1,6 @@
-"""The ASGI app: routes of both APIs over one `AsyncRuntime`, plus /health and /metrics.
+"""The ASGI app: routes of every API over one `AsyncRuntime`, plus /health and /metrics.
 
-    client --HTTP--> Gate (auth, metrics) --> openai.py / ollama.py
+    client --HTTP--> Gate (auth, metrics) --> openai.py / ollama.py / anthropic.py / responses.py
                         |                                     | service.py: Service.read() (body.py),
                         |                                     | Service.start(): rt.stream(), first chunk
                         |                                     v
@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..runtime import AsyncRuntime
-from . import ollama, openai
+from . import anthropic, ollama, openai, responses
 from .config import ServerConfig
 from .errors import HttpError, body_for
 from .schemas import Health, ModelHealth
@@ -62,10 +62,19 @@ def health_of(rt: AsyncRuntime) -> tuple[bool, Health]:
 ENDPOINTS = frozenset(
     {
         "/v1/chat/completions", "/v1/completions", "/v1/models",
+        "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
         "/api/generate", "/api/chat", "/api/tags", "/api/ps", "/api/show", "/api/version",
         "/health", "/metrics",
     }
 )
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label of a path with a parameter in it (else "other")."""
+    for prefix, label in (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{id}")):
+        if path.startswith(prefix):
+            return label
+    return "other"
 
 
 class Gate:
@@ -76,14 +85,14 @@ class Gate:
         self.svc = svc
         key = svc.config.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        self._key = key.encode() if key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        endpoint = path if path in ENDPOINTS else ("/v1/models/{model}" if path.startswith("/v1/models/")
-                                                   else "other")
+        endpoint = path if path in ENDPOINTS else _endpoint(path)
         status = 500
         metrics = self.svc.metrics
 
@@ -108,12 +117,12 @@ class Gate:
         if self._expected is None or scope["path"] in OPEN_PATHS:
             return None
         for name, value in scope["headers"]:
-            if name == b"authorization":
-                if hmac.compare_digest(value, self._expected):
-                    return None
-                break
-        return HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                         code="invalid_api_key")
+            if name == b"authorization" and hmac.compare_digest(value, self._expected):
+                return None
+            if name == b"x-api-key" and hmac.compare_digest(value, self._key):  # Anthropic's header
+                return None
+        return HttpError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                              "(or 'x-api-key: <key>')", code="invalid_api_key")
 
 
 async def _send_error(path: str, err: HttpError, send) -> None:
@@ -150,6 +159,8 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         *openai.routes(svc),
         *ollama.routes(svc),
+        *anthropic.routes(svc),
+        *responses.routes(svc),
     ]
     app = Starlette(
         routes=routes,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_RESPONSES_STORE = 1000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,5 +19,8 @@ class ServerConfig:
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    api_key: str | None = None  #: when set, every endpoint but /health needs ``Authorization: Bearer KEY``
+    #: When set, every endpoint but /health needs ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``).
+    api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies are refused with 413
+    #: Responses kept in memory for GET /v1/responses/{id} and `previous_response_id` (the oldest go first)
+    responses_store: int = DEFAULT_RESPONSES_STORE

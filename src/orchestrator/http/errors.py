@@ -1,4 +1,4 @@
-"""HTTP errors: one exception, two wire shapes (OpenAI's and Ollama's).
+"""HTTP errors: one exception, three wire shapes (OpenAI's, Ollama's and Anthropic's).
 
 Every failure a handler can meet becomes an `HttpError` at the point where it
 happens, so the status is chosen once: client mistakes are 4xx and name the
@@ -75,6 +75,31 @@ class OllamaError(msgspec.Struct):
     error: str
 
 
+class AnthropicErrorBody(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct, tag="error", tag_field="type"):
+    """``{"type": "error", "error": {"type", "message"}}``: the body, and the stream's error event."""
+
+    error: AnthropicErrorBody
+
+
+#: Anthropic's error types by status (its API has no `param` or `code`: the message names the field).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
 def openai_body(err: HttpError) -> bytes:
     """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
     return msgspec.json.encode(OpenAIError(OpenAIErrorBody(err.message, err.type, err.param, err.code)))
@@ -85,17 +110,36 @@ def ollama_body(err: HttpError) -> bytes:
     return msgspec.json.encode(OllamaError(err.message))
 
 
+def anthropic_error(err: HttpError) -> AnthropicError:
+    """Anthropic's error for `err`; the field it names leads the message, as Anthropic writes it."""
+    message = err.message
+    if err.param and err.param not in message:
+        message = f"{err.param}: {message}"
+    return AnthropicError(AnthropicErrorBody(_ANTHROPIC_TYPES.get(err.status, "api_error"), message))
+
+
+def anthropic_body(err: HttpError) -> bytes:
+    """``{"type": "error", "error": {"type", "message"}}`` as Anthropic sends it."""
+    return msgspec.json.encode(anthropic_error(err))
+
+
 def is_ollama_path(path: str) -> bool:
     return path.startswith("/api/")
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def body_for(path: str, err: HttpError) -> bytes:
     """The error body in the shape the endpoint's clients expect."""
-    return ollama_body(err) if is_ollama_path(path) else openai_body(err)
+    if is_ollama_path(path):
+        return ollama_body(err)
+    return anthropic_body(err) if is_anthropic_path(path) else openai_body(err)
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+_UNKNOWN = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 
 def from_decode_error(exc: msgspec.DecodeError, prefix: str = "") -> HttpError:

@@ -180,19 +180,6 @@ def chat_params(req: ChatCompletionRequest) -> dict[str, Any]:
 CHAT_NAMES = {"think": "reasoning_effort", "logprobs": "top_logprobs"}
 
 
-def _missing(svc: Service, model: str, params: dict[str, Any]) -> HttpError | None:
-    """A 400 when the request asks the model for thinking or tools it does not support."""
-    thinking = params.get("think") not in (None, False)
-    tools = bool(params.get("tools")) and params.get("tool_choice") != "none"
-    missing = svc.missing_capability(model, thinking=thinking, tools=tools)
-    if missing is None:
-        return None
-    param = "tools" if missing == "tools" else "reasoning_effort"
-    why = " (mlx-lm has no tool-call parser for its format)" if missing == "tools" else ""
-    return HttpError(400, f"{param}: model {model!r} does not support {missing}{why}", param=param,
-                     code="unsupported_parameter")
-
-
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """Text or token ids; a batch of one is unwrapped, larger batches are refused."""
     if req.echo:
@@ -244,9 +231,7 @@ class OpenAIApi:
         prompt = chat_prompt(req)
         params.update(chat_params(req))
         params.update(chat_logprobs_param(req))
-        refused = _missing(self.svc, model, params)
-        if refused is not None:
-            raise refused
+        self.svc.refuse_missing(model, params, think_param="reasoning_effort")
         gen = await self.svc.start(request, "/v1/chat/completions", prompt, model, params, names, t0)
         rid, created = new_id("chatcmpl"), int(time.time())
         if req.stream:

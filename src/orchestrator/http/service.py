@@ -1,9 +1,10 @@
-"""What both APIs share: the `Service` their handlers hold and the `Generation` they stream.
+"""What every API shares: the `Service` their handlers hold and the `Generation` they stream.
 
 `Service` holds the runtime, the config and the metrics; it resolves model
 names (a name, or the path a model is served from), reads and checks bodies
-(`body.py`), checks sampling parameters against the model and starts
-generations. Imports run one way: app.py, then openai.py and ollama.py, then this.
+(`body.py`), checks sampling parameters and capabilities against the model and
+starts generations. Imports run one way: app.py, then the APIs (openai.py,
+ollama.py, anthropic.py, responses.py), then this.
 """
 
 from __future__ import annotations
@@ -156,30 +157,34 @@ class Generation:
         """The whole completion (text, ids; `reasoning` and `tool_calls` set aside), the first
         choice's; every choice in `replies`. The generation stops if the client disconnects."""
         replies: dict[int, Reply] = {}
-
-        def add(c: Chunk) -> None:
+        for c in await self.all_chunks(receive):
             reply = replies.get(c.index)
             if reply is None:
                 reply = replies[c.index] = Reply(c.index)
             reply.add(c)
-
-        if self.first is not None:
-            add(self.first)
-
-        async def drain() -> None:
-            async for c in self.stream:
-                add(c)
-
-        await self.unless_gone(receive, drain())
         stats = self.stream.choice_stats
         self.replies = [replies.get(i) or Reply(i) for i in sorted(set(replies) | set(stats) | {0})]
         for r in self.replies:
             r.finish_reason = stats[r.index].finish_reason if r.index in stats else self.finish_reason
         first = self.replies[0]
-        self.tokens = sum(len(r.ids) for r in self.replies)
         self.reasoning, self.tool_calls = first.reasoning, first.tool_calls
-        self.finish(self.finish_reason)
         return first.text, first.ids
+
+    async def all_chunks(self, receive) -> list[Chunk]:
+        """Every chunk of the completion, in order, every choice's (`reasoning` and `tool_calls`
+        gathered too); the generation stops if the client disconnects."""
+        chunks = [] if self.first is None else [self.first]
+
+        async def drain() -> None:
+            async for c in self.stream:
+                chunks.append(c)
+
+        await self.unless_gone(receive, drain())
+        self.tokens = sum(len(c.tokens) for c in chunks)
+        self.reasoning = "".join(c.reasoning for c in chunks)
+        self.tool_calls.extend(t for c in chunks for t in c.tool_calls)
+        self.finish(self.finish_reason)
+        return chunks
 
     async def unless_gone(self, receive, work: Awaitable[T]) -> T:
         """Await `work` unless the client disconnects first; a disconnect or a runtime error
@@ -274,6 +279,20 @@ class Service:
         worker checks)."""
         return missing_capability(self.capabilities(name), thinking=thinking, tools=tools)
 
+    def refuse_missing(self, model: str, params: Mapping[str, Any], *, think_param: str,
+                       tools_param: str = "tools") -> None:
+        """`HttpError` 400 naming the field when the runtime keywords `params` ask `model` for
+        thinking or tools it does not support (``think: false`` and tool choice "none" ask nothing)."""
+        thinking = params.get("think") not in (None, False)
+        tools = bool(params.get("tools")) and params.get("tool_choice") != "none"
+        missing = self.missing_capability(model, thinking=thinking, tools=tools)
+        if missing is None:
+            return
+        param = tools_param if missing == "tools" else think_param
+        why = " (mlx-lm has no tool-call parser for its format)" if missing == "tools" else ""
+        raise HttpError(400, f"{param}: model {model!r} does not support {missing}{why}", param=param,
+                        code="unsupported_parameter")
+
     def model(self, requested: str, *, ollama: bool = False) -> str:
         """The served model called `requested`, or served from the path `requested` (Ollama's
         ``:latest`` tag optional); 404 otherwise."""
@@ -356,8 +375,9 @@ def check_vocabulary(params: Mapping[str, Any], vocab_size: int, names: Mapping[
                              f"{bad[:5]}", param=name)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """``chatcmpl-...`` (OpenAI chat); with ``sep="_"``, ``msg_...``, ``resp_...`` (Anthropic, Responses)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def json_response(obj: object, status: int = 200) -> Response:

@@ -1,0 +1,285 @@
+"""``python -m benchmarks.apis``: streaming through Anthropic Messages and OpenAI Responses against chat
+completions, on one ``mlxrt serve``.
+
+One server subprocess (one worker, prefix cache off: `http_scenario.HttpStream`) serves the model.
+Each round streams the same greedy chat (a system prompt and a user message, ``max_tokens`` tokens)
+through /v1/chat/completions, /v1/messages and /v1/responses, in an order that rotates from round to
+round, ``--streams`` requests at a time. The client is stdlib ``http.client``, one connection per
+request, and treats every API alike: it stamps each event that carries answer text and takes the
+token count from the API's own usage. A stream's decode rate is (tokens - 1) / (last text event -
+first text event); with several streams, the round's rate is all their tokens after the first over
+the window from the first text event to the last. Every round checks that the three APIs returned
+the same text and the same token count. After one unmeasured round, medians and spread are reported,
+and each API's rate over chat completions' paired by round.
+
+A table goes to stdout, and the last line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from mlxrt.worker.synthetic import ensure_model
+
+from .env import default_preset, describe
+from .http_scenario import HTTP_TIMEOUT_S, MODEL_NAME, HttpStream
+from .measure import finite, ratio_spread, spread
+
+SYSTEM = "You are a storyteller."
+USER = "Tell me a long story about the sea, the tide and the gulls."
+APIS = ("chat", "messages", "responses")
+
+
+@dataclass
+class Stream:
+    """One streamed request as the client saw it: text-event times (perf_counter s), text, token count."""
+
+    start: float
+    times: list[float]
+    text: str
+    tokens: int
+
+    @property
+    def decode_tps(self) -> float:
+        span = self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+        return (self.tokens - 1) / span if span > 0 else float("nan")
+
+
+def _events(port: int, path: str, body: dict[str, Any]) -> Iterator[tuple[float, dict]]:
+    """POST `body`; yield (arrival time, decoded data) for each SSE ``data:`` line, up to ``[DONE]``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+    try:
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {resp.status}: {resp.read()[:300]!r}")
+        while line := resp.readline():
+            if line.startswith(b"data: [DONE]"):
+                return
+            if line.startswith(b"data: "):
+                yield time.perf_counter(), msgspec.json.decode(line[6:])
+    finally:
+        conn.close()
+
+
+def chat(port: int, tokens: int) -> Stream:
+    body = {"model": MODEL_NAME, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]}
+    s = Stream(time.perf_counter(), [], "", 0)
+    for t, e in _events(port, "/v1/chat/completions", body):
+        if e.get("usage"):
+            s.tokens = e["usage"]["completion_tokens"]
+        elif e["choices"] and e["choices"][0]["delta"].get("content"):
+            s.times.append(t)
+            s.text += e["choices"][0]["delta"]["content"]
+    return s
+
+
+def messages(port: int, tokens: int) -> Stream:
+    body = {"model": MODEL_NAME, "max_tokens": tokens, "temperature": 0, "stream": True, "system": SYSTEM,
+            "messages": [{"role": "user", "content": USER}]}
+    s = Stream(time.perf_counter(), [], "", 0)
+    for t, e in _events(port, "/v1/messages", body):
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta":
+            s.times.append(t)
+            s.text += e["delta"]["text"]
+        elif e["type"] == "message_delta":
+            s.tokens = e["usage"]["output_tokens"]
+        elif e["type"] == "error":
+            raise RuntimeError(f"server error mid-stream: {e}")
+    return s
+
+
+def responses(port: int, tokens: int) -> Stream:
+    body = {"model": MODEL_NAME, "max_output_tokens": tokens, "temperature": 0, "stream": True,
+            "store": False, "instructions": SYSTEM, "input": USER}
+    s = Stream(time.perf_counter(), [], "", 0)
+    for t, e in _events(port, "/v1/responses", body):
+        if e["type"] == "response.output_text.delta":
+            s.times.append(t)
+            s.text += e["delta"]
+        elif e["type"] in ("response.completed", "response.incomplete"):
+            s.tokens = e["response"]["usage"]["output_tokens"]
+        elif e["type"] == "response.failed":
+            raise RuntimeError(f"server error mid-stream: {e}")
+    return s
+
+
+CLIENTS: dict[str, Callable[[int, int], Stream]] = {
+    "chat": chat, "messages": messages, "responses": responses}
+
+
+def together(api: str, port: int, tokens: int, streams: int) -> tuple[float, list[Stream]]:
+    """`streams` requests through `api` at once: the aggregate decode rate (tokens/s) and the streams."""
+    out: list[Stream | None] = [None] * streams
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = CLIENTS[api](port, tokens)
+        except BaseException as exc:  # reported below, in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    done = [s for s in out if s is not None]
+    if streams == 1:
+        return done[0].decode_tps, done
+    first = min(s.times[0] for s in done)
+    last = max(s.times[-1] for s in done)
+    return sum(s.tokens - 1 for s in done) / (last - first), done
+
+
+class _Replay:
+    """Stands in for a generation's `AsyncStream`: replays chunks, as the worker would send them."""
+
+    def __init__(self, chunks: list) -> None:
+        from mlxrt.ipc.protocol import Stats
+
+        self._it = iter(chunks)
+        self.stats = Stats(prompt_tokens=32, generation_tokens=len(chunks), finish_reason="length")
+        self.finish_reason = "length"
+
+    def __aiter__(self) -> _Replay:
+        return self
+
+    async def __anext__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        pass
+
+
+def encode_cost(tokens: int, rounds: int) -> dict[str, Any]:
+    """Microseconds per token of each API's streaming encoder alone, in-process: its event generator
+    over `tokens` one-token chunks (what the server does per token, less the ASGI send)."""
+    import asyncio
+
+    from mlxrt.orchestrator.http import anthropic, openai, responses
+    from mlxrt.orchestrator.http.anthropic_schemas import Message, Usage
+    from mlxrt.orchestrator.http.responses_schemas import ResponsesRequest
+    from mlxrt.orchestrator.http.service import Generation
+    from mlxrt.orchestrator.runtime import Chunk
+
+    def generation() -> Generation:
+        chunks = [Chunk(text=f" word{i % 50}", tokens=[i % 1000]) for i in range(tokens)]
+        return Generation(None, "bench", MODEL_NAME, _Replay(chunks), 0.0)  # type: ignore[arg-type]
+
+    def message() -> Message:
+        return Message(id="msg_1", model=MODEL_NAME, content=[], usage=Usage(input_tokens=0, output_tokens=0))
+
+    encoders = {
+        "chat": lambda g: openai.chat_events(g, "chatcmpl-1", 0, usage=True, token_ids=False),
+        "messages": lambda g: anthropic.message_events(g, message(), thinking=True),
+        "responses": lambda g: responses.response_events(g, responses.Turn(
+            ResponsesRequest(model=MODEL_NAME, input="x", store=False), [], responses.ResponseStore(0))),
+    }
+
+    async def drain(events) -> int:
+        return sum([len(b) async for b in events])
+
+    us: dict[str, list[float]] = {api: [] for api in APIS}
+    size: dict[str, int] = {}
+    for r in range(rounds + 1):
+        for api in APIS[r % 3:] + APIS[: r % 3]:
+            gen = generation()
+            t0 = time.perf_counter()
+            size[api] = asyncio.run(drain(encoders[api](gen)))
+            if r:
+                us[api].append((time.perf_counter() - t0) * 1e6 / tokens)
+    return {"tokens": tokens, "rounds": rounds, "us_per_token": {a: spread(v) for a, v in us.items()},
+            "bytes_per_token": {a: size[a] / tokens for a in APIS}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.apis", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default=None, help="synthetic preset (default: small on a CPU, the real "
+                                                   "0.5B shape on a GPU)")
+    p.add_argument("--model", default=None, help="a model directory instead of a preset")
+    p.add_argument("--tokens", type=int, default=256, help="max tokens per request (default 256)")
+    p.add_argument("--rounds", type=int, default=7, help="measured rounds (default 7)")
+    p.add_argument("--streams", type=int, default=1, help="requests at a time per API (default 1)")
+    p.add_argument("--encode", action="store_true",
+                   help="only the per-token cost of each API's streaming encoder, in-process (no model)")
+    args = p.parse_args(argv)
+    if args.encode:
+        return print_encode_cost(encode_cost(20_000, args.rounds))
+    preset = args.preset or default_preset()
+    path = args.model or str(ensure_model(preset))
+    server = HttpStream(path, extra_args=["--prompt-cache-bytes", "0"])
+    server.setup()
+    rates: dict[str, list[float]] = {api: [] for api in APIS}
+    ttft: dict[str, list[float]] = {api: [] for api in APIS}
+    identical = []
+    try:
+        for r in range(args.rounds + 1):
+            order = APIS[r % 3:] + APIS[: r % 3]
+            got: dict[str, list[Stream]] = {}
+            for api in order:
+                rate, got[api] = together(api, server.port, args.tokens, args.streams)
+                if r:
+                    rates[api].append(rate)
+                    ttft[api].extend((s.times[0] - s.start) * 1e3 for s in got[api])
+            ref = got["chat"][0]
+            same = all((s.text, s.tokens) == (ref.text, ref.tokens) for ss in got.values() for s in ss)
+            if r:
+                identical.append(same)
+                print(f"round {r}: " + ", ".join(f"{a} {rates[a][-1]:.1f}" for a in APIS)
+                      + f" tok/s; identical: {same}", file=sys.stderr)
+    finally:
+        server.close()
+    out = {"preset": args.model or preset, "tokens": args.tokens, "rounds": args.rounds,
+           "streams": args.streams, "env": describe(), "identical_every_round": all(identical),
+           "decode_tps": {a: spread(v) for a, v in rates.items()},
+           "ttft_ms": {a: spread(v) for a, v in ttft.items()},
+           "over_chat": {a: ratio_spread(rates[a], rates["chat"]) for a in ("messages", "responses")},
+           "raw_decode_tps": rates}
+    print(f"{out['preset']}, {args.streams} stream(s), {args.tokens} tokens, {args.rounds} rounds "
+          f"(medians, min-max)")
+    print("| API | decode tok/s | TTFT ms | rate / chat completions (paired by round) |")
+    print("|---|---|---|---|")
+    for a in APIS:
+        d, t = out["decode_tps"][a], out["ttft_ms"][a]
+        ratio = out["over_chat"].get(a)
+        rel = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})" if ratio else "1"
+        print(f"| {a} | {d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {t['median']:.1f} | {rel} |")
+    same = out["identical_every_round"]
+    print(f"\nsame text and token count through all three APIs in every round: {same}")
+    print(json.dumps(finite(out)))
+    return 0 if all(identical) else 1
+
+
+def print_encode_cost(out: dict[str, Any]) -> int:
+    print(f"streaming encoders, {out['tokens']} one-token chunks, {out['rounds']} rounds (medians, min-max)")
+    print("| API | us per token | bytes per token |")
+    print("|---|---|---|")
+    for a in APIS:
+        u = out["us_per_token"][a]
+        size = out["bytes_per_token"][a]
+        print(f"| {a} | {u['median']:.2f} ({u['min']:.2f}-{u['max']:.2f}) | {size:.0f} |")
+    out["env"] = describe()
+    print(json.dumps(finite(out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
