@@ -39,6 +39,8 @@ from ..ipc.protocol import (
     Cancel,
     ClearCache,
     Done,
+    Embed,
+    Embeddings,
     Failed,
     Fatal,
     Generate,
@@ -187,7 +189,7 @@ class Server:
         self._engine = engine
         self._outbox = outbox
         self._cond = threading.Condition()
-        self._inbox: deque[tuple[Generate, float]] = deque()
+        self._inbox: deque[tuple[Generate | Embed, float]] = deque()
         self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
@@ -195,11 +197,12 @@ class Server:
     # -- reader thread --
     def on_message(self, msg: object) -> None:
         arrived = time.perf_counter()
-        if isinstance(msg, Generate) and msg.params.grammar is not None:
+        grammars = self._engine.grammars  # None: an embedding model's worker
+        if isinstance(msg, Generate) and msg.params.grammar is not None and grammars is not None:
             # Compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
-            self._engine.grammars.prepare(msg.params.grammar)
+            grammars.prepare(msg.params.grammar)
         with self._cond:
-            if isinstance(msg, Generate):
+            if isinstance(msg, (Generate, Embed)):
                 self._inbox.append((msg, arrived))
             elif isinstance(msg, Cancel):
                 self._cancels.append(msg.id)
@@ -257,6 +260,9 @@ class Server:
     def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
         self._outbox.message(Done(id=req_id, stats=stats, text=text, reasoning=reasoning,
                                   tool_calls=list(calls or ())))
+
+    def embedded(self, req_id: int, dim: int, data: bytes, stats: Stats) -> None:
+        self._outbox.message(Embeddings(id=req_id, dim=dim, data=data, stats=stats))
 
     def failed(self, req_id: int, exc: BaseException) -> None:
         self._outbox.message(
@@ -339,9 +345,15 @@ def main() -> None:
         import mlx.core as mx
         import mlx_lm
 
+        from .embed import Embedder, embedding_spec, local_model_path
         from .engine import Engine
 
-        engine = Engine(hello.model, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
+        path = local_model_path(hello.model)
+        spec = embedding_spec(path)  # an embedding model's worker embeds and never generates
+        if spec is None:
+            engine = Engine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
+        else:
+            engine = Embedder(path, spec, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
         engine.warmup(hello.warmup_tokens)
     except Exception as exc:
         log.error("worker.load_failed", model=hello.model, error=repr(exc))
@@ -362,6 +374,7 @@ def main() -> None:
             mlx_lm_version=mlx_lm.__version__,
             device=str(mx.default_device()),
             capabilities=engine.capabilities,
+            path=engine.path,
         )
     )
     log.info("worker.ready", model=hello.model, load_s=round(engine.load_s, 3))
