@@ -34,6 +34,7 @@ from ..ipc.protocol import (
     Cancel,
     ClearCache,
     Done,
+    Embeddings,
     EngineOptions,
     EngineReport,
     Failed,
@@ -55,7 +56,8 @@ from .errors import ChannelError, MlxrtTimeout, ModelLoadError, WorkerDied
 
 log = structlog.get_logger("mlxrt.orchestrator")
 
-#: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied.
+#: sink(event) receives a request's Tokens, then one Done or Failed (an Embed request: one Embeddings,
+#: Done if cancelled, or Failed), or a WorkerDied.
 Sink = Callable[[object], None]
 
 
@@ -452,7 +454,7 @@ class WorkerHandle:
                     entry = sinks.get(msg.id)
                     if entry is not None:
                         entry.started = True
-                elif isinstance(msg, (Done, Failed)):
+                elif isinstance(msg, (Done, Failed, Embeddings)):
                     with self._lock:
                         entry = sinks.pop(msg.id, None)
                         self.last_done = time.monotonic()
