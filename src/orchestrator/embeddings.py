@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..ipc.protocol import Done, Embed, Embeddings, Failed, Ready
+from ..ipc.protocol import Done, Embed, Embeddings, Failed, Ready, Stats
 from .errors import MlxrtError, MlxrtTimeout, RequestError
 
 if TYPE_CHECKING:
@@ -52,11 +52,13 @@ def embed_inputs(inputs: Any) -> tuple[list[str | list[int]], bool]:
     bare input was given (its vector comes back alone, 1-D). `ValueError` names the bad item."""
     if isinstance(inputs, str) or (isinstance(inputs, Sequence) and inputs and all(map(_is_id, inputs))):
         items, single = [inputs], True
-    elif isinstance(inputs, Sequence) and not isinstance(inputs, (bytes, bytearray)) and inputs:
+    elif isinstance(inputs, Sequence) and not isinstance(inputs, (bytes, bytearray)):
         items, single = list(inputs), False
     else:
-        raise ValueError(f"invalid input={inputs!r:.60}: a non-empty string, list of strings, list of "
-                         "token ids or list of token-id lists")
+        raise ValueError(f"invalid input={inputs!r:.60}: a string, list of strings, list of token ids or "
+                         "list of token-id lists")
+    if not items:
+        raise ValueError("invalid input: an empty list; give at least one input")
     if len(items) > MAX_INPUTS:
         raise ValueError(f"invalid input: {len(items)} inputs; at most {MAX_INPUTS} per request")
     out: list[str | list[int]] = []
@@ -169,13 +171,25 @@ def needs_thread(inputs: Any) -> bool:
     return sum(len(t) for t in texts) > INLINE_TEXT_CHARS
 
 
-def vectors(event: object, prepared: Prepared) -> np.ndarray:
-    """The vectors in a worker's answer: (inputs, dim) float32, or (dim,) for a single bare input;
-    the runtime's error otherwise."""
+@dataclass(frozen=True)
+class EmbedResult:
+    """A finished embedding request."""
+
+    #: float32, one row per input; a single vector (1-D) for a single bare input.
+    vectors: np.ndarray
+    #: The inputs' tokens, summed (OpenAI's usage.prompt_tokens, Ollama's prompt_eval_count).
+    prompt_tokens: int
+    #: The worker's figures: ``ttft_ms`` from the request's first forward pass to its last,
+    #: ``queue_ms`` before it, ``mean_batch_size`` inputs per pass.
+    stats: Stats
+
+
+def result(event: object, prepared: Prepared) -> EmbedResult:
+    """The vectors in a worker's answer; the runtime's error when the request failed."""
     if isinstance(event, Embeddings):
         # A bytearray, so the array is writable without a copy.
         array = np.frombuffer(event.data, dtype="<f4").reshape(len(prepared.req.inputs), event.dim)
-        return array[0] if prepared.single else array
+        return EmbedResult(array[0] if prepared.single else array, prepared.tokens, event.stats)
     if isinstance(event, Failed):
         raise RequestError(event.error_type, event.message, event.traceback)
     if isinstance(event, Done):  # only a cancelled request ends with Done
@@ -191,7 +205,7 @@ def _timeout(pool: Pool, slot, req_id: int) -> MlxrtTimeout:
                         f"{pool.timeouts.token_s:g} s (set MLXRT_TOKEN_TIMEOUT_S)")
 
 
-def run(pool: Pool, model: str | None, prepared: Prepared, keep_alive_s: float | None) -> np.ndarray:
+def run(pool: Pool, model: str | None, prepared: Prepared, keep_alive_s: float | None) -> EmbedResult:
     """Send `prepared` to a worker of `model` and wait for its vectors (this thread blocks)."""
     events: queue.SimpleQueue = queue.SimpleQueue()
     slot = pool.submit(model, prepared.req, events.put, keep_alive_s)
@@ -202,11 +216,11 @@ def run(pool: Pool, model: str | None, prepared: Prepared, keep_alive_s: float |
     except BaseException:  # e.g. KeyboardInterrupt: the worker need not finish it
         slot.cancel(prepared.req.id, discard=True)
         raise
-    return vectors(event, prepared)
+    return result(event, prepared)
 
 
 async def run_async(pool: Pool, model: str | None, prepared: Prepared,
-                    keep_alive_s: float | None) -> np.ndarray:
+                    keep_alive_s: float | None) -> EmbedResult:
     """`run` for asyncio: the worker's answer is awaited; a cancelled caller cancels the request."""
     loop = asyncio.get_running_loop()
     answer: asyncio.Future = loop.create_future()
@@ -229,4 +243,4 @@ async def run_async(pool: Pool, model: str | None, prepared: Prepared,
     except BaseException:  # cancelled: the client went away
         slot.cancel(prepared.req.id, discard=True)
         raise
-    return vectors(event, prepared)
+    return result(event, prepared)

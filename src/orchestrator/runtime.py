@@ -713,7 +713,7 @@ class Runtime:
         name = model or self._pool.default_model
         prepared = embeddings.prepare(self._pool.next_id(), inputs, self.model_info(model), name,
                                       dimensions=dimensions, truncate=truncate)
-        return embeddings.run(self._pool, model, prepared, _keep_alive(keep_alive))
+        return embeddings.run(self._pool, model, prepared, _keep_alive(keep_alive)).vectors
 
     def model_info(self, model: str | None = None) -> Ready | None:
         """What a worker of `model` reported when it became ready (context length, vocabulary
@@ -834,6 +834,20 @@ class AsyncRuntime:
         keep_alive: float | None = None,
     ) -> np.ndarray:
         """`Runtime.embed`, awaited; long texts are tokenized on a thread."""
+        found = await self.embed_result(inputs, model=model, dimensions=dimensions, truncate=truncate,
+                                        keep_alive=keep_alive)
+        return found.vectors
+
+    async def embed_result(
+        self,
+        inputs: embeddings.Inputs,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        keep_alive: float | None = None,
+    ) -> embeddings.EmbedResult:
+        """`embed`, with the inputs' token count and the worker's stats beside the vectors."""
         pool = self.runtime._pool
         name = model or pool.default_model
         prepare = functools.partial(embeddings.prepare, pool.next_id(), inputs, self.model_info(model), name,

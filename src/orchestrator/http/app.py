@@ -1,6 +1,6 @@
 """The ASGI app: routes of both APIs over one `AsyncRuntime`, plus /health and /metrics.
 
-    client --HTTP--> Gate (auth, metrics) --> openai.py / ollama.py
+    client --HTTP--> Gate (auth, metrics) --> openai.py / ollama.py / embeddings.py
                         |                                     | service.py: Service.read() (body.py),
                         |                                     | Service.start(): rt.stream(), first chunk
                         |                                     v
@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..runtime import AsyncRuntime
-from . import ollama, openai
+from . import embeddings, ollama, openai
 from .config import ServerConfig
 from .errors import HttpError, body_for
 from .schemas import Health, ModelHealth
@@ -64,6 +64,7 @@ ENDPOINTS = frozenset(
         "/v1/chat/completions", "/v1/completions", "/v1/models",
         "/api/generate", "/api/chat", "/api/tags", "/api/ps", "/api/show", "/api/version",
         "/health", "/metrics",
+        "/v1/embeddings", "/api/embed", "/api/embeddings",
     }
 )
 
@@ -150,6 +151,7 @@ def create_app(
         Route("/metrics", metrics, methods=["GET"]),
         *openai.routes(svc),
         *ollama.routes(svc),
+        *embeddings.routes(svc),
     ]
     app = Starlette(
         routes=routes,
