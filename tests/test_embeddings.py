@@ -299,3 +299,15 @@ def test_embeddings_without_the_right_model_name(http):
     """An unknown model is a 404 and a missing one a 400, as for the other endpoints."""
     assert http.post("/v1/embeddings", json={"model": "nope", "input": "x"}).status_code == 404
     assert http.post("/v1/embeddings", json={"input": "x"}).status_code == 400
+
+
+def test_benchmark_runs_and_its_vectors_agree_with_native(capsys):
+    """benchmarks/embeddings.py runs every scenario, ends with its JSON line, and every scenario's vectors
+    are native's (the benchmark's own gate)."""
+    from benchmarks import embeddings as bench
+
+    result = bench.main(["--preset", "tiny-qwen3-embedding", "--rounds", "1", "--inputs", "6",
+                         "--transport", "stdio"])
+    assert set(result["scenarios"]) == {"native-b1", "native-b32", "mlxrt-b1", "mlxrt-b32", "mlxrt-c32"}
+    assert all(s["max_abs_diff"] <= bench.GATE_ABS_DIFF for s in result["scenarios"].values())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
