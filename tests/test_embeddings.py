@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -304,6 +305,9 @@ def test_embeddings_without_the_right_model_name(http):
 def test_benchmark_runs_and_its_vectors_agree_with_native(capsys):
     """benchmarks/embeddings.py runs every scenario, ends with its JSON line, and every scenario's vectors
     are native's (the benchmark's own gate)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
+        sys.path.insert(0, root)
     from benchmarks import embeddings as bench
 
     result = bench.main(["--preset", "tiny-qwen3-embedding", "--rounds", "1", "--inputs", "6",
