@@ -124,11 +124,16 @@ def test_dimensions_keep_the_first_components_renormalised(emb_model, reference)
     np.testing.assert_allclose(got[0], vector(ids, 8), rtol=0, atol=1e-6)
 
 
-def test_a_cancelled_or_refused_request_leaves_the_others_alone(emb_model):
-    """A generation sent to an embedding model fails alone (ModelKindError), a cancelled request ends as
-    cancelled, and the request queued beside them is answered."""
+def test_a_cancelled_or_refused_request_leaves_the_others_alone(emb_model, tiny_model):
+    """A generation sent to an embedding model fails alone (ModelKindError), as embeddings asked of a
+    generative model's engine do; a cancelled request ends as cancelled, and the request queued beside
+    them is answered."""
     from mlxrt.worker.embed import _Collect
+    from mlxrt.worker.engine import Engine
 
+    box = _Collect()
+    Engine(tiny_model).submit(Embed(id=0, inputs=[[1, 2]]), box)
+    assert isinstance(box.error, ModelKindError)
     embedder = Embedder(emb_model, embedding_spec(emb_model))
     box = _Collect()
     embedder.submit(Generate(id=1, params=SamplingParams(), prompt="Hi"), box)

@@ -86,7 +86,8 @@ class InputTokenizer:
 
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
-            raise MlxrtError(f"embedding model at {directory} has no tokenizer.json: send token ids")
+            raise ValueError(f"invalid input: the model at {directory} has no tokenizer.json to tokenize "
+                             "text with; send token ids")
         self._tok = Tokenizer.from_file(str(path))
         self._tok.no_truncation()
         self._tok.no_padding()

@@ -302,16 +302,16 @@ class Embedder:
         lengths = [len(r) for r in rows]
         width = max(lengths)
         x = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)  # pads are never read
-        hidden = self.model.model(x).astype(mx.float32)
+        hidden = self.model.model(x)
         n = mx.array(lengths)
         if self.spec.pooling == "last":
             pooled = hidden[mx.arange(len(rows)), n - 1]
         elif self.spec.pooling == "cls":
             pooled = hidden[:, 0]
-        else:
+        else:  # summed in float32: a bfloat16 sum over many tokens loses digits
             real = (mx.arange(width)[None, :] < n[:, None])[..., None]
-            pooled = (hidden * real).sum(axis=1) / n[:, None]
-        return np.array(pooled)
+            pooled = (hidden.astype(mx.float32) * real).sum(axis=1) / n[:, None]
+        return np.array(pooled.astype(mx.float32))
 
     def _chunked(self, ids: list[int], step: int) -> np.ndarray:
         """One long input through mlx-lm's KV cache, `step` tokens at a time."""
@@ -367,7 +367,7 @@ class Embedder:
     def _store(self, item: _Item, vector: np.ndarray) -> None:
         """Keep one row, cut and normalised; answer its request when it was the last."""
         r = item.request
-        if r.req.id not in self._requests:
+        if self._requests.get(r.req.id) is not r:
             return  # failed or cancelled meanwhile
         v = vector[: r.dim]
         if self.spec.normalize:
