@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..ipc.protocol import Done, Embed, Embeddings, Failed, Ready, Stats
 from .errors import MlxrtError, MlxrtTimeout, RequestError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .runtime import Pool
 
 #: Most inputs in one request (OpenAI's limit).
@@ -188,6 +188,8 @@ class EmbedResult:
 def result(event: object, prepared: Prepared) -> EmbedResult:
     """The vectors in a worker's answer; the runtime's error when the request failed."""
     if isinstance(event, Embeddings):
+        import numpy as np  # here, so that importing mlxrt does not import numpy
+
         # A bytearray, so the array is writable without a copy.
         array = np.frombuffer(event.data, dtype="<f4").reshape(len(prepared.req.inputs), event.dim)
         return EmbedResult(array[0] if prepared.single else array, prepared.tokens, event.stats)

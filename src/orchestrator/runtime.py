@@ -17,10 +17,9 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 import structlog
 
 from .. import logs
@@ -44,6 +43,9 @@ from .models import resolve_model
 from .routing import PrefixRouter, block_keys
 from .structured import check_grammar, json_schema_grammar
 from .supervisor import Slot
+
+if TYPE_CHECKING:
+    import numpy as np  # imported by `embeddings` when vectors arrive, not with the runtime
 
 log = structlog.get_logger("mlxrt.orchestrator")
 
@@ -612,6 +614,9 @@ class Runtime:
     list of messages): tools, tool_choice, think (`chat.chat_options`); the
     reply's reasoning and tool calls come apart from its text
     (`Completion.reasoning`, `.tool_calls`).
+
+    `embed` turns texts or token ids into vectors, with an embedding model
+    (docs/models.md#embeddings); such a model cannot generate.
 
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,
