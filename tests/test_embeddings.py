@@ -101,6 +101,16 @@ def test_padding_does_not_change_a_vector(emb_model, pooling):
         assert np.linalg.norm(alone) == pytest.approx(1.0, abs=1e-5)
 
 
+def test_concurrent_requests_share_forward_passes(emb_model):
+    """Inputs of different requests in one length bucket go through one pass; other buckets, and an input
+    over the pass budget, get passes of their own; the oldest input always goes in the next pass."""
+    embedder = Embedder(emb_model, embedding_spec(emb_model), options=EngineOptions(prefill_step_size=64))
+    short, other, long = random_ids([10, 12, 9]), random_ids([40]), random_ids([80])
+    got = embed_in_process(embedder, [[ids] for ids in short] + [other, long])
+    assert [g.shape for g in got] == [(1, DIM)] * 3 + [(1, DIM)] * 2
+    assert (embedder.passes, embedder.rows) == (3, 5)  # the three short inputs together; 40; 80 (chunked)
+
+
 def test_vectors_are_mlx_lm_forward_passes(emb_model, reference):
     """Each vector is the L2-normalised last hidden state of mlx-lm's own forward pass over the input's
     ids (EOS appended by the tokenizer), also for an input run in chunks through the KV cache."""
