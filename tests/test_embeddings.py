@@ -107,7 +107,7 @@ def test_concurrent_requests_share_forward_passes(emb_model):
     embedder = Embedder(emb_model, embedding_spec(emb_model), options=EngineOptions(prefill_step_size=64))
     short, other, long = random_ids([10, 12, 9]), random_ids([40]), random_ids([80])
     got = embed_in_process(embedder, [[ids] for ids in short] + [other, long])
-    assert [g.shape for g in got] == [(1, DIM)] * 3 + [(1, DIM)] * 2
+    assert [g.shape for g in got] == [(1, DIM)] * 5
     assert (embedder.passes, embedder.rows) == (3, 5)  # the three short inputs together; 40; 80 (chunked)
 
 
