@@ -114,6 +114,10 @@ def input_tokenizer(directory: str) -> InputTokenizer:
     return InputTokenizer(directory)
 
 
+class ContextLengthError(ValueError):
+    """An input is longer than the model's context (and was not to be cut)."""
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A checked request: the frame to send, and what the caller is told beside the vectors."""
@@ -158,10 +162,6 @@ def prepare(req_id: int, inputs: Any, ready: Ready | None, name: str, *, dimensi
         rows.append(ids)
     embed = Embed(id=req_id, inputs=rows, dimensions=dimensions or 0)
     return Prepared(embed, single, sum(len(r) for r in rows))
-
-
-class ContextLengthError(ValueError):
-    """An input is longer than the model's context (and was not to be cut)."""
 
 
 def needs_thread(inputs: Any) -> bool:
