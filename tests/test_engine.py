@@ -11,7 +11,7 @@ from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingPar
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.synthetic import PRESETS
 
-FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-"))
+FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding)
 
 SYSTEM = "You answer questions about the weather, the sea and the mountains, at length. " * 5
 

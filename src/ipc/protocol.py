@@ -269,6 +269,16 @@ class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
     chat: ChatOptions | None = None
 
 
+class Embed(msgspec.Struct, tag="embed", array_like=True, kw_only=True):
+    """Embed each input, as token ids (tokenized in the orchestrator); answered by one `Embeddings`."""
+
+    id: int
+    inputs: list[list[int]]
+    #: Keep each vector's first `dimensions` components, L2-normalised again (Matryoshka);
+    #: 0: the model's whole vector.
+    dimensions: int = 0
+
+
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
     id: int
 
@@ -287,7 +297,7 @@ class ClearCache(msgspec.Struct, tag="clear_cache", array_like=True):
     """Free MLX's buffer cache between two requests (memory pressure policy)."""
 
 
-Down = Hello | Generate | Cancel | Shutdown | Ping | ClearCache
+Down = Hello | Generate | Cancel | Shutdown | Ping | ClearCache | Embed
 
 
 # ---- worker -> orchestrator -------------------------------------------------
@@ -312,6 +322,11 @@ class Capabilities(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: How tool calls are written and parsed: "" (no parser: tools are refused), the name of
     #: mlx-lm's tool parser (``json_tools``, ...), or "harmony".
     tools: str = ""
+    #: An embedding model (src/worker/embed.py) and how it pools its last hidden states: "last",
+    #: "mean" or "cls"; "" for a generative model. Either kind refuses the other's requests.
+    embedding: str = ""
+    #: The length of an embedding model's vectors (its hidden size); 0 for a generative model.
+    embedding_dim: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
@@ -326,6 +341,9 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
     mlx_lm_version: str
     device: str
     capabilities: Capabilities | None = None
+    #: The local directory the model was loaded from (the orchestrator reads an embedding
+    #: model's tokenizer from it); "" from older workers.
+    path: str = ""
 
 
 class Started(msgspec.Struct, tag="started", array_like=True):
@@ -398,6 +416,20 @@ class Done(msgspec.Struct, tag="done", array_like=True, kw_only=True):
     final: bool = True
 
 
+class Embeddings(msgspec.Struct, tag="emb", array_like=True, kw_only=True):
+    """An `Embed` request's vectors: ``len(inputs)`` rows of `dim` little-endian float32, row after row.
+
+    `stats.prompt_tokens` counts the inputs' tokens; `stats.mean_batch_size` the mean number of
+    inputs per forward pass that carried this request's.
+    """
+
+    id: int
+    dim: int
+    #: Decoded as a bytearray, so numpy can take it as a writable array without a copy.
+    data: bytearray
+    stats: Stats
+
+
 class Failed(msgspec.Struct, tag="err", array_like=True, kw_only=True):
     """One request failed; the worker lives on."""
 
@@ -442,7 +474,7 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):
     engine: EngineReport | None = None
 
 
-Up = Attached | Ready | Started | Tokens | DetailedTokens | Done | Failed | Fatal | Pong
+Up = Attached | Ready | Started | Tokens | DetailedTokens | Done | Failed | Fatal | Pong | Embeddings
 
 
 class Codec:

@@ -35,6 +35,7 @@ from ..ipc.protocol import (
     ClearCache,
     DetailedTokens,
     Done,
+    Embeddings,
     EngineOptions,
     EngineReport,
     Failed,
@@ -57,7 +58,7 @@ from .errors import ChannelError, MlxrtTimeout, ModelLoadError, WorkerDied
 log = structlog.get_logger("mlxrt.orchestrator")
 
 #: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied (with n > 1,
-#: a Done per choice, the last one `final`).
+#: a Done per choice, the last one `final`; an Embed request: one Embeddings, Done if cancelled, or Failed).
 Sink = Callable[[object], None]
 
 
@@ -458,7 +459,7 @@ class WorkerHandle:
                     entry = sinks.get(msg.id)
                     if entry is not None:
                         entry.started = True
-                elif isinstance(msg, (Done, Failed)):
+                elif isinstance(msg, (Done, Failed, Embeddings)):
                     with self._lock:
                         entry = sinks.pop(msg.id, None)
                         self.last_done = time.monotonic()

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -36,6 +36,7 @@ from ..ipc.protocol import (
     Tokens,
     ToolCall,
 )
+from . import embeddings
 from .chat import CHAT_KEYWORDS, chat_messages, chat_options, missing_capability
 from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
@@ -44,6 +45,9 @@ from .models import resolve_model
 from .routing import PrefixRouter, block_keys
 from .structured import check_grammar, json_schema_grammar
 from .supervisor import Slot
+
+if TYPE_CHECKING:
+    import numpy as np  # imported by `embeddings` when vectors arrive, not with the runtime
 
 log = structlog.get_logger("mlxrt.orchestrator")
 
@@ -263,6 +267,8 @@ class Pool:
             raise ModelFailedError(slots[0]._failure)
         if len(live) == 1:
             slot = live[0]
+        elif not isinstance(req, Generate):  # embeddings: no prefix cache to find, the least loaded
+            slot = min(live, key=lambda s: s.routing_key)
         else:
             keys = block_keys(model or self.default_model, req)
             slot = self.router.choose(live, keys)
@@ -603,7 +609,11 @@ def _choice(index: int, chunks: list[Chunk], stats: Stats, model: str) -> Comple
 
 
 def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
-    """`ValueError` when `req` asks the model for thinking or tools it does not support."""
+    """`ValueError` when `req` asks the model for thinking or tools it does not support, or asks an
+    embedding model to generate."""
+    if ready is not None and ready.capabilities is not None and ready.capabilities.embedding:
+        raise ValueError(f"invalid model: {name!r} is an embedding model: it cannot generate "
+                         "(ask it for embeddings)")
     if req.chat is None or ready is None:
         return
     chat = req.chat
@@ -640,6 +650,9 @@ class Runtime:
     tool_choice (``required`` or a function force the call), think
     (`chat.chat_options`); the reply's reasoning and tool calls come apart from
     its text (`Completion.reasoning`, `.tool_calls`).
+
+    `embed` turns texts or token ids into vectors, with an embedding model
+    (docs/models.md#embeddings); such a model cannot generate.
 
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,
@@ -719,6 +732,29 @@ class Runtime:
         """Run a request to the end and return its `Completion`."""
         stream = self.stream(prompt, model=model, keep_alive=keep_alive, **params)
         return _collect(list(stream), stream)
+
+    def embed(
+        self,
+        inputs: embeddings.Inputs,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        keep_alive: float | None = None,
+    ) -> np.ndarray:
+        """Embed `inputs` with an embedding model: a float32 numpy array, one row per input, or a
+        single vector (1-D) for a bare string or list of token ids.
+
+        `inputs`: a string, a list of strings, a list of token ids or a list of such lists (texts
+        are tokenized here, with the model's tokenizer). `dimensions`: keep each vector's first
+        components, normalised again (Matryoshka models such as Qwen3-Embedding). `truncate`: cut
+        an input longer than the model's context instead of refusing it. `keep_alive` as in
+        `stream`. A model that is not an embedding model is a `ValueError`.
+        """
+        name = model or self._pool.default_model
+        prepared = embeddings.prepare(self._pool.next_id(), inputs, self.model_info(model), name,
+                                      dimensions=dimensions, truncate=truncate)
+        return embeddings.run(self._pool, model, prepared, _keep_alive(keep_alive)).vectors
 
     def model_info(self, model: str | None = None) -> Ready | None:
         """What a worker of `model` reported when it became ready (context length, vocabulary
@@ -828,6 +864,37 @@ class AsyncRuntime:
         stream = self.stream(prompt, model=model, keep_alive=keep_alive, **params)
         chunks = [c async for c in stream]
         return _collect(chunks, stream)
+
+    async def embed(
+        self,
+        inputs: embeddings.Inputs,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        keep_alive: float | None = None,
+    ) -> np.ndarray:
+        """`Runtime.embed`, awaited; long texts are tokenized on a thread."""
+        found = await self.embed_result(inputs, model=model, dimensions=dimensions, truncate=truncate,
+                                        keep_alive=keep_alive)
+        return found.vectors
+
+    async def embed_result(
+        self,
+        inputs: embeddings.Inputs,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        truncate: bool = False,
+        keep_alive: float | None = None,
+    ) -> embeddings.EmbedResult:
+        """`embed`, with the inputs' token count and the worker's stats beside the vectors."""
+        pool = self.runtime._pool
+        name = model or pool.default_model
+        prepare = functools.partial(embeddings.prepare, pool.next_id(), inputs, self.model_info(model), name,
+                                    dimensions=dimensions, truncate=truncate)
+        prepared = await asyncio.to_thread(prepare) if embeddings.needs_thread(inputs) else prepare()
+        return await embeddings.run_async(pool, model, prepared, _keep_alive(keep_alive))
 
     def model_info(self, model: str | None = None) -> Ready | None:
         return self.runtime.model_info(model)

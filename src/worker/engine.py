@@ -56,6 +56,7 @@ from mlx_lm.utils import load
 
 from ..ipc.protocol import (
     ChatMessage,
+    Embed,
     EngineOptions,
     EngineReport,
     Generate,
@@ -109,6 +110,11 @@ class NoChatTemplateError(ValueError):
 
 class BatchStepError(RuntimeError):
     """A batch step failed; every request in that batch fails with this."""
+
+
+class ModelKindError(ValueError):
+    """A request of the other kind: embeddings from a generative model, or generation from an
+    embedding model (`embed.py`)."""
 
 
 def resolve_model_path(model: str) -> str:
@@ -174,6 +180,8 @@ class Engine:
     def submit(self, req: Generate, listener: Listener, *, queued_at: float | None = None) -> None:
         """Check and tokenize `req` and queue it for the batch; a bad request fails at once, alone."""
         try:
+            if isinstance(req, Embed):
+                raise ModelKindError(f"model {self.path} is not an embedding model: it has no embeddings")
             seq = self._sequence(req, listener, queued_at or time.perf_counter())
         except Exception as exc:
             listener.failed(req.id, exc)

@@ -40,6 +40,8 @@ from ..ipc.protocol import (
     ClearCache,
     DetailedTokens,
     Done,
+    Embed,
+    Embeddings,
     Failed,
     Fatal,
     Generate,
@@ -210,7 +212,7 @@ class Server:
         self._engine = engine
         self._outbox = outbox
         self._cond = threading.Condition()
-        self._inbox: deque[tuple[Generate, float]] = deque()
+        self._inbox: deque[tuple[Generate | Embed, float]] = deque()
         self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
@@ -218,11 +220,11 @@ class Server:
     # -- reader thread --
     def on_message(self, msg: object) -> None:
         arrived = time.perf_counter()
-        if isinstance(msg, Generate):
+        if isinstance(msg, Generate) and self._engine.grammars is not None:  # None: an embedding model's
             # Grammars compiled here, off the MLX thread (llguidance drops the GIL); admission takes a copy.
             self._engine.prepare(msg)
         with self._cond:
-            if isinstance(msg, Generate):
+            if isinstance(msg, (Generate, Embed)):
                 self._inbox.append((msg, arrived))
             elif isinstance(msg, Cancel):
                 self._cancels.append(msg.id)
@@ -282,6 +284,9 @@ class Server:
              final: bool = True) -> None:
         self._outbox.message(Done(id=req_id, stats=stats, text=text, reasoning=reasoning,
                                   tool_calls=list(calls or ()), index=index, final=final))
+
+    def embedded(self, req_id: int, dim: int, data: bytes, stats: Stats) -> None:
+        self._outbox.message(Embeddings(id=req_id, dim=dim, data=data, stats=stats))
 
     def failed(self, req_id: int, exc: BaseException) -> None:
         self._outbox.message(
@@ -379,10 +384,16 @@ def main() -> None:
         import mlx.core as mx
         import mlx_lm
 
+        from .embed import Embedder, embedding_spec, local_model_path
         from .engine import Engine
 
         import_s = time.perf_counter() - started
-        engine = Engine(hello.model, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
+        path = local_model_path(hello.model)
+        spec = embedding_spec(path)  # an embedding model's worker embeds and never generates
+        if spec is None:
+            engine = Engine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
+        else:
+            engine = Embedder(path, spec, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
         engine.warmup(hello.warmup_tokens)
     except Exception as exc:
         log.error("worker.load_failed", model=hello.model, error=repr(exc))
@@ -403,6 +414,7 @@ def main() -> None:
             mlx_lm_version=mlx_lm.__version__,
             device=str(mx.default_device()),
             capabilities=engine.capabilities,
+            path=engine.path,
         )
     )
     log.info("worker.ready", model=hello.model, import_s=round(import_s, 3), load_s=round(engine.load_s, 3),

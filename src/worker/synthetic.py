@@ -356,6 +356,10 @@ class Preset:
     description: str
     source: str = "synthetic"  # the published config.json the shape copies
     quant_group_size: int = 64
+    #: An embedding model, written as Qwen3-Embedding ships: its sentence-transformers pooling mode
+    #: (``"lasttoken"``), an EOS appended by the tokenizer, a bare backbone's weights (no ``model.``
+    #: prefix, no head). None: a generative model.
+    embedding: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -435,6 +439,10 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": _tiny("llama", "tests: Llama 3 layout, KV caches only", num_hidden_layers=2),
     "tiny-qwen3": _tiny("qwen3", "tests: Qwen3 with q/k norms, <think> and <tool_call>",
                         num_hidden_layers=2, head_dim=16),
+    # Qwen3-Embedding's layout (modules.json, last-token pooling, EOS appended, bare backbone weights).
+    "tiny-qwen3-embedding": dataclasses.replace(
+        _tiny("qwen3", "tests: Qwen3-Embedding layout, last-token pooling, L2-normalised",
+              num_hidden_layers=2, head_dim=16), embedding="lasttoken"),
     "tiny-qwen3-moe": _tiny("qwen3_moe", "tests: Qwen3 MoE, 8 experts top-2",
                             num_hidden_layers=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=64),
@@ -487,6 +495,15 @@ PRESETS: dict[str, Preset] = {
         "qwen3", "Qwen/Qwen3-8B config.json", 151936, "Qwen3-8B shape, 4-bit",
         hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+    ),
+    # Qwen/Qwen3-Embedding-0.6B config.json, bfloat16 as published (not quantised)
+    "qwen3-embedding-0.6b": Preset(
+        "qwen3", {"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072,
+                  "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                  "max_position_embeddings": 32768, "tie_word_embeddings": True},
+        vocab_size=151669, dtype="bfloat16", quant_bits=None, bpe_vocab=2048,
+        description="Qwen3-Embedding-0.6B shape, bfloat16: the GPU embedding benchmark",
+        source="Qwen/Qwen3-Embedding-0.6B config.json", embedding="lasttoken",
     ),
     # Qwen/Qwen3-30B-A3B config.json
     "qwen3-30b-a3b-4bit": _real(
@@ -592,12 +609,15 @@ def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force
 
 def _marker(name: str, spec: Preset, seed: int) -> dict[str, Any]:
     """What the marker file records; any difference means the directory is stale."""
+    params = dataclasses.asdict(spec)
+    if params["embedding"] is None:
+        del params["embedding"]  # added later: generative models' markers stay as they were
     return {
         "generator": "mlxrt.worker.synthetic",
         "format": FORMAT_VERSION,
         "preset": name,
         "seed": seed,
-        "params": dataclasses.asdict(spec),
+        "params": params,
     }
 
 
@@ -645,13 +665,41 @@ def _write_model(out: Path, spec: Preset, seed: int) -> int:
         "eos_token_id": [ids[t] for t in fam.eos],
         **({"pad_token_id": ids[fam.pad]} if fam.pad else {}),
     })
-    tok = _tokenizer_json(spec.bpe_vocab, spec.vocab_size, fam.specials, fam.text_tags, fam.bos)
+    # Qwen3-Embedding's tokenizer appends <|endoftext|>, the token whose hidden state is pooled.
+    eos = fam.pad if spec.embedding else None
+    tok = _tokenizer_json(spec.bpe_vocab, spec.vocab_size, fam.specials, fam.text_tags, fam.bos, eos)
     (out / "tokenizer.json").write_text(tok, encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(spec))
     model, config = _build(spec, seed)
-    nbytes = _write_weights(out, model)
+    nbytes = _write_weights(out, model, strip="model." if spec.embedding else "")
     save_config(config, out / "config.json")  # mirrors "quantization" into "quantization_config"
+    if spec.embedding:
+        _write_sentence_transformers(out, spec)
     return nbytes
+
+
+def _write_sentence_transformers(out: Path, spec: Preset) -> None:
+    """The sentence-transformers files that mark an embedding model, as Qwen3-Embedding ships them:
+    modules.json (Transformer, Pooling, Normalize) and the Pooling module's config."""
+    modules = [("0", "", "Transformer"), ("1", "1_Pooling", "Pooling"), ("2", "2_Normalize", "Normalize")]
+    _write_json(out / "modules.json", [
+        {"idx": i, "name": name, "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (name, path, kind) in enumerate(modules)
+    ])
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+             "lasttoken")
+    (out / "1_Pooling").mkdir()
+    _write_json(out / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": _text_shape(spec)["hidden_size"],
+        **{f"pooling_mode_{m}": m == spec.embedding for m in modes},
+        "include_prompt": True,
+    })
+    _write_json(out / "config_sentence_transformers.json", {
+        "prompts": {"query": "Instruct: Given a web search query, retrieve relevant passages that answer "
+                             "the query\nQuery:", "document": ""},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    })
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -664,11 +712,12 @@ def _corpus() -> str:
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer_json(bpe_vocab: int, vocab_size: int, specials: tuple[str, ...],
-                    text_tags: tuple[str, ...] = (), bos: str | None = None) -> str:
+                    text_tags: tuple[str, ...] = (), bos: str | None = None, eos: str | None = None) -> str:
     """tokenizer.json text: a trained byte-level BPE, padded, then `specials` as the top ids.
 
     `text_tags` among the specials decode as text (special=False); `bos`, when
-    given, is prepended by encode() as Llama 3 and Gemma tokenizers do.
+    given, is prepended by encode() as Llama 3 and Gemma tokenizers do; `eos`
+    appended, as Qwen3-Embedding's tokenizer does.
     """
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -687,10 +736,12 @@ def _tokenizer_json(bpe_vocab: int, vocab_size: int, specials: tuple[str, ...],
     padded = Tokenizer.from_str(json.dumps(data))
     padded.add_special_tokens(
         [AddedToken(t, special=t not in text_tags, normalized=False) for t in specials])
-    if bos is not None:
-        bos_id = padded.token_to_id(bos)
+    if bos is not None or eos is not None:
+        head, tail = (f"{bos}:0 " if bos else ""), (f" {eos}:0" if eos else "")
+        pair = f"{head}$A:0{tail} {head.replace(':0', ':1')}$B:1{tail.replace(':0', ':1')}"
         padded.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
+            single=f"{head}$A:0{tail}", pair=pair,
+            special_tokens=[(t, padded.token_to_id(t)) for t in dict.fromkeys((bos, eos)) if t])
     if padded.get_vocab_size() != vocab_size:
         raise ValueError(f"BPE of {bpe_vocab} tokens does not fit a {vocab_size}-id vocabulary")
     return padded.to_str(pretty=True)
@@ -816,17 +867,18 @@ def _key_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _write_weights(out: Path, model: nn.Module, *, shard_gb: int = DEFAULT_SHARD_GB) -> int:
+def _write_weights(out: Path, model: nn.Module, *, shard_gb: int = DEFAULT_SHARD_GB, strip: str = "") -> int:
     """Write `model`'s parameters as safetensors shards and index, one tensor evaluated at a time.
 
     The model is emptied as it is written (mlx-lm's donate_model), so at most
-    one shard of evaluated tensors is alive at once. Returns the total bytes.
+    one shard of evaluated tensors is alive at once. `strip` is taken off the
+    front of every name (a bare backbone's checkpoint). Returns the total bytes.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import get_total_parameters, make_shards
 
-    arrays = dict(tree_flatten(model.parameters()))
+    arrays = {k.removeprefix(strip): v for k, v in tree_flatten(model.parameters())}
     total = sum(a.nbytes for a in arrays.values())
     n_params = get_total_parameters(model)
     shards = make_shards(arrays, max_file_size_gb=shard_gb)

@@ -1,6 +1,7 @@
 """The ASGI app: routes of every API over one `AsyncRuntime`, plus /health and /metrics.
 
     client --HTTP--> Gate (auth, metrics) --> openai.py / ollama.py / anthropic.py / responses.py
+                                              / embeddings.py
                         |                                     | service.py: Service.read() (body.py),
                         |                                     | Service.start(): rt.stream(), first chunk
                         |                                     v
@@ -26,7 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..runtime import AsyncRuntime
-from . import anthropic, ollama, openai, responses
+from . import anthropic, embeddings, ollama, openai, responses
 from .config import ServerConfig
 from .errors import HttpError, body_for
 from .schemas import Health, ModelHealth
@@ -65,6 +66,7 @@ ENDPOINTS = frozenset(
         "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
         "/api/generate", "/api/chat", "/api/tags", "/api/ps", "/api/show", "/api/version",
         "/health", "/metrics",
+        "/v1/embeddings", "/api/embed", "/api/embeddings",
     }
 )
 
@@ -161,6 +163,7 @@ def create_app(
         *ollama.routes(svc),
         *anthropic.routes(svc),
         *responses.routes(svc),
+        *embeddings.routes(svc),
     ]
     app = Starlette(
         routes=routes,

@@ -20,6 +20,7 @@ CLIENT_ERROR_TYPES = frozenset(
     {
         "PromptTooLongError",
         "NoChatTemplateError",
+        "ModelKindError",
         "GrammarError",
         "ValueError",
         "TemplateError",

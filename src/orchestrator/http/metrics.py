@@ -108,6 +108,10 @@ class Metrics:
         self.decode_rate = Histogram("mlxrt_decode_tokens_per_second",
                                      "Decode rate of each generation, as the worker measured it.",
                                      ["model"], buckets=DECODE_BUCKETS_TPS, registry=r)
+        self.embedded_inputs = Counter("mlxrt_embedded_inputs", "Inputs embedded and sent to clients.",
+                                       ["model"], registry=r)
+        self.embedded_tokens = Counter("mlxrt_embedded_tokens", "Tokens of the inputs embedded.",
+                                       ["model"], registry=r)
         r.register(_Workers(workers))
 
     def render(self) -> bytes:

@@ -396,7 +396,9 @@ class OllamaApi:
             info.update({f"config.{k}": v for k, v in facts.config.items()})
         caps = self.svc.capabilities(name)
         capabilities = ["completion"]
-        if caps is not None:
+        if caps is not None and caps.embedding:  # an embedding model only embeds
+            capabilities = ["embedding"]
+        elif caps is not None:
             capabilities += [c for c, on in (("tools", caps.tools), ("thinking", caps.thinking)) if on]
         return json_response(OllamaShow(details=self._details(name), model_info=info,
                                         capabilities=capabilities, modified_at=facts.modified_at))
