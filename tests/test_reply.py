@@ -14,7 +14,14 @@ from forcing import forced, reply_ids
 from mlx_lm.tool_parsers import json_tools
 from mlxrt.ipc.protocol import ChatMessage, ChatOptions, Generate, SamplingParams, ToolCall
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.reply import HarmonySplitter, Parts, TagSplitter, make_splitter
+from mlxrt.worker.reply import (
+    HarmonySplitter,
+    Llama3JsonSplitter,
+    Parts,
+    TagSplitter,
+    is_llama3_json,
+    make_splitter,
+)
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -115,6 +122,81 @@ def test_text_that_is_not_harmony_is_the_answer(reply):
     assert got == (reply, "", [])
 
 
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+PARIS = ("get_weather", {"city": "Paris"})
+
+
+@pytest.mark.parametrize("size", [None, 1, 3, 7])
+@pytest.mark.parametrize("reply, calls", [
+    (LLAMA_CALL, [PARIS]),
+    ("<|python_tag|>" + LLAMA_CALL, [PARIS]),
+    ("\n " + LLAMA_CALL + "\n", [PARIS]),
+    (LLAMA_CALL + '; {"name": "get_time", "arguments": {}}', [PARIS, ("get_time", {})]),
+    (LLAMA_CALL + '\n{"name": "get_time", "parameters": "{\\"tz\\": \\"UTC\\"}"}',
+     [PARIS, ("get_time", {"tz": "UTC"})]),
+])
+def test_llama_bare_json_calls_parse_however_the_text_is_cut(size, reply, calls):
+    """Llama 3.x: a reply that starts with "{" (after whitespace and an optional <|python_tag|>) is
+    calls, one or several separated by ";" or newlines, with "parameters" (or "arguments")."""
+    assert shape(split(Llama3JsonSplitter(), reply, size)) == ("", "", calls)
+
+
+@pytest.mark.parametrize("reply", [
+    '{"name": "get_weather", "parameters": {"city": "Par',  # cut off by max_tokens
+    '{"name": "get_weather", parameters: {}}',  # not JSON
+    '{"answer": 42}',  # a JSON answer, not a call
+    '{"name": "get_weather"}',  # no parameters
+    LLAMA_CALL + " and then some words",
+    LLAMA_CALL + LLAMA_CALL,  # two calls with no separator
+    '<|python_tag|>{"name": "get_weather", "parameters": [1]}',
+])
+def test_llama_reply_that_is_not_calls_is_kept_whole_as_the_answer(reply):
+    """A reply that opens with "{" but does not parse as calls is returned as answer text, unchanged."""
+    for size in (None, 2):
+        assert shape(split(Llama3JsonSplitter(), reply, size)) == (reply, "", [])
+
+
+def test_llama_text_reply_streams_at_once():
+    """A reply that does not start with "{" is answer text from its first delta on; a "{" later in it
+    is text too."""
+    s = Llama3JsonSplitter()
+    assert s.feed("  ").content == ""  # whitespace alone cannot tell yet
+    assert s.feed("It is").content == "  It is"
+    assert s.feed(' {"name": "x", "parameters": {}}').content == ' {"name": "x", "parameters": {}}'
+    assert shape(s.finish()) == ("", "", [])
+    held = Llama3JsonSplitter()
+    assert held.feed("<|python").content == "" and held.feed("_tag|>{").content == ""
+    assert shape(split(Llama3JsonSplitter(), "<|python_tag|>print(1)")) == ("<|python_tag|>print(1)", "", [])
+
+
+class _Tok:
+    """A tokenizer stand-in: a vocabulary and a chat template."""
+
+    def __init__(self, vocab: list[str], template: str) -> None:
+        self.chat_template, self._vocab = template, {t: i for i, t in enumerate(vocab)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._vocab
+
+
+# The instruction as Meta's templates write it: in single-quoted Jinja strings (Llama 3.1 8B/70B/405B,
+# 3.2 1B/3B, 3.3 70B), and escaped in a double-quoted one.
+META = """{{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name '}}"""
+ESCAPED = '{{- "Respond in the format {\\"name\\": function name, \\"parameters\\": dictionary" }}'
+
+
+@pytest.mark.parametrize("vocab, template, expected", [
+    (["<|python_tag|>"], META, True),
+    (["<|python_tag|>"], ESCAPED, True),
+    ([], META, False),  # Llama 3.0: no <|python_tag|>
+    (["<|python_tag|>"], "{{ messages }}", False),  # a Llama 3.1 base model's or a custom template
+    (["<|python_tag|>"], '{"name": "x"} and "parameters": {}', False),
+])
+def test_llama3_json_detection(vocab, template, expected):
+    """llama3_json needs <|python_tag|> in the vocabulary and the template's {"name", "parameters"} format."""
+    assert is_llama3_json(_Tok(vocab, template)) is expected
+
+
 # ---- the engine, per family ---------------------------------------------------------------
 
 # preset -> (Capabilities.thinking, .thinking_switch, .tools)
@@ -123,7 +205,7 @@ CAPABILITIES = {
     "tiny-qwen3": ("think", True, "json_tools"),
     "tiny-qwen3-moe": ("think", True, "json_tools"),
     "tiny-qwen3.5": ("think", True, "json_tools"),
-    "tiny-llama": ("", False, ""),
+    "tiny-llama": ("", False, "llama3_json"),
     "tiny-gemma3": ("", False, ""),
     "tiny-gpt-oss": ("harmony", False, "harmony"),
 }
@@ -153,7 +235,7 @@ def test_capabilities_per_family(engine, name):
     assert caps.chat_template
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-qwen3.5", "tiny-gpt-oss"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3", "tiny-qwen3.5", "tiny-gpt-oss", "tiny-llama"])
 def test_tools_are_rendered_into_the_prompt(engine, name):
     """A request with tools: the template renders them, so the prompt's tokens hold the function."""
     eng = engine(name)
@@ -165,7 +247,7 @@ def test_tools_are_rendered_into_the_prompt(engine, name):
     assert "get_weather" not in without
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gpt-oss", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gpt-oss", "tiny-gemma3", "tiny-llama"])
 def test_earlier_calls_render_with_their_arguments_once(engine, name):
     """An assistant turn's call arrives with JSON-text arguments (OpenAI's form); templates get an object,
     as mlx_lm.server gives them, so it is rendered once, not as an escaped string."""
@@ -224,6 +306,8 @@ FORCED = {  # preset -> (forced reply, the parts it splits into)
                      ("", "Hmm.", [("get_weather", {"city": "Paris"})])),
     "tiny-gpt-oss": (HARMONY + "<|call|>",
                      ("", "I should call the tool.", [("get_weather", {"city": "Paris"})])),
+    # Llama 3.x: the bare JSON call after the <|python_tag|> token.
+    "tiny-llama": ("<|python_tag|>" + LLAMA_CALL, ("", "", [PARIS])),
 }
 
 
@@ -269,7 +353,7 @@ def run(eng: Engine, reqs: list[Generate]) -> Parted:
 def test_engine_refuses_what_the_model_cannot_do(engine):
     """Sent to a worker before its capabilities were known, thinking or tools for a model without them
     fail alone, with a clear message."""
-    eng = engine("tiny-llama")
+    eng = engine("tiny-gemma3")
     ask = [ChatMessage("user", "Hi")]
     rec = Parted()
     think = ChatOptions(enable_thinking=True)

@@ -1,5 +1,5 @@
 """Thinking and tool calls end to end: the official openai and ollama clients and the Python API,
-over real workers on the tiny Qwen3, gpt-oss, Qwen2.5 and Llama presets.
+over real workers on the tiny Qwen3, gpt-oss, Qwen2.5, Llama and Gemma 3 (no tool format) presets.
 
 Random weights never think or call a tool on their own, so the workers are the real worker
 with its replies scripted (`scripted_worker.py`): a reply is forced token by token through a
@@ -29,6 +29,8 @@ TOOLS = [{"type": "function", "function": {
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 QWEN_CALL = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
+LLAMA_CALL = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TEXT = 'Hello! No tool needed: {"name": "not a call"}'
 # [marker in the templated prompt, forced reply]; the first marker found wins. With "prefix", only the
 # reply's start is forced: the model (under a forced tool choice's grammar) writes the rest.
 THOUGHT = "The notes will say."
@@ -54,6 +56,11 @@ SCRIPT = [
                         "<|channel|>final<|message|>Done.<|return|>"],
     ["<|start|>user<|message|>Say hi", "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant"
                                         "<|channel|>final<|message|>Hi there!<|return|>"],
+    # Llama 3.x: bare JSON calls after the tools its template puts in the first user turn; results as
+    # ipython turns (the tool content as JSON).
+    ['<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21 C"', "It is sunny in Paris."],
+    ["}\n\nWeather in Paris?<|eot_id|>", LLAMA_CALL],
+    ["}\n\nGreet me<|eot_id|>", LLAMA_TEXT],
 ]
 THINKERS = ["qwen3", "gpt-oss"]
 
@@ -72,10 +79,11 @@ def scripted_env():
 
 @pytest.fixture(scope="module")
 def srv(scripted_env):
-    """One server over scripted workers of four families."""
+    """One server over scripted workers of five families."""
     from mlxrt.worker.synthetic import ensure_model
 
-    presets = {"qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny", "llama": "tiny-llama"}
+    presets = {"qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny", "llama": "tiny-llama",
+               "gemma3": "tiny-gemma3"}
     models = {name: str(ensure_model(preset)) for name, preset in presets.items()}
     with running(models, _worker_argv=SCRIPTED) as s:
         yield s
@@ -150,6 +158,42 @@ def test_openai_reasoning_apart_from_the_answer(http, model):
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_openai_client_llama_tool_round_trip(oai):
+    """Llama 3.x's bare-JSON call with the openai client: parsed into tool_calls (finish_reason tool_calls,
+    content null), streamed as one delta at the end, which the client's accumulator reads alike; the
+    result goes back as an ipython turn and the answer is plain."""
+    kw = dict(model="llama", tools=TOOLS, max_tokens=200, temperature=0)
+    first = oai.chat.completions.create(messages=ASK, **kw).choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    (call,) = first.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    final, chunks = streamed(oai, messages=ASK, **kw)
+    assert final.choices[0].finish_reason == "tool_calls"
+    (got,) = final.choices[0].message.tool_calls
+    assert (got.function.name, json.loads(got.function.arguments)) == ("get_weather", {"city": "Paris"})
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)
+    (at,) = [i for i, d in enumerate(deltas) if d.tool_calls]
+    assert all(not d.tool_calls and not d.content for d in deltas[at + 1:])  # only the finish follows
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}
+    second = oai.chat.completions.create(messages=[*ASK, first.message, result], **kw).choices[0]
+    assert (second.finish_reason, second.message.content) == ("stop", "It is sunny in Paris.")
+    assert not second.message.tool_calls
+
+
+def test_openai_llama_text_reply_streams_as_it_comes(oai):
+    """With tools, a Llama reply that does not start with "{" is text from its first tokens on (not held
+    to the end), JSON inside it included; nothing is parsed."""
+    kw = dict(model="llama", tools=TOOLS, max_tokens=200, messages=[{"role": "user", "content": "Greet me"}])
+    r = oai.chat.completions.create(**kw).choices[0]
+    assert (r.finish_reason, r.message.content, r.message.tool_calls) == ("stop", LLAMA_TEXT, None)
+    final, chunks = streamed(oai, **kw)
+    assert final.choices[0].message.content == LLAMA_TEXT
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 3 and "".join(pieces) == LLAMA_TEXT
+
+
 def test_tool_choice_none_drops_the_tools(oai):
     """tool_choice "none": the tools are not rendered and nothing is parsed; call markup stays text."""
     r = oai.chat.completions.create(model="qwen3", messages=ASK, tools=TOOLS, tool_choice="none",
@@ -188,10 +232,11 @@ def assert_called_find(choice) -> None:
 
 
 @pytest.mark.parametrize("choice", ["required", FIND_NAMED], ids=["required", "named"])
-@pytest.mark.parametrize("model", ["qwen2.5", "qwen3"])
+@pytest.mark.parametrize("model", ["qwen2.5", "qwen3", "llama"])
 def test_openai_forced_tool_call_streamed_and_not(oai, model, choice):
     """tool_choice required or a named function: random weights still answer with a call that parses
-    and validates, streamed (accumulated by the client's own helper) or not; Qwen3 with thinking off."""
+    and validates, streamed (accumulated by the client's own helper) or not; Qwen3 with thinking off;
+    Llama with one bare-JSON call."""
     kw = dict(model=model, tools=[FIND], tool_choice=choice, max_tokens=150,
               messages=[{"role": "user", "content": "Find my notes on tides"}])
     if model == "qwen3":
@@ -203,6 +248,8 @@ def test_openai_forced_tool_call_streamed_and_not(oai, model, choice):
         assert_called_find(final.choices[0])
         assert [c.function.arguments for c in final.choices[0].message.tool_calls] == \
             [c.function.arguments for c in r.choices[0].message.tool_calls]
+        if model == "llama":
+            assert len(r.choices[0].message.tool_calls) == 1
 
 
 @pytest.mark.parametrize("choice", ["required", FIND_NAMED], ids=["required", "named"])
@@ -263,6 +310,23 @@ def test_ollama_client_tool_round_trip(oll, model):
         "It is sunny in Paris.", "The tool answered.", None)
 
 
+def test_ollama_client_llama_tool_round_trip(oll):
+    """Llama 3.x with the ollama client, as Ollama users run it: the bare-JSON call as tool_calls with
+    object arguments (streamed: in one chunk at the end), the tool turn templated, the answer plain."""
+    opts = {"temperature": 0, "num_predict": 200}
+    msg = oll.chat(model="llama", messages=ASK, tools=TOOLS, options=opts).message
+    assert msg.content == "" and not msg.thinking
+    (call,) = msg.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Paris"})
+    parts = list(oll.chat(model="llama", messages=ASK, tools=TOOLS, options=opts, stream=True))
+    assert [c.function.arguments for p in parts for c in p.message.tool_calls or []] == [{"city": "Paris"}]
+    assert not "".join(p.message.content for p in parts)
+    assert parts[-1].done and parts[-1].done_reason == "stop"
+    history = [*ASK, msg, {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]
+    second = oll.chat(model="llama", messages=history, tools=TOOLS, options=opts).message
+    assert (second.content, second.tool_calls) == ("It is sunny in Paris.", None)
+
+
 @pytest.mark.parametrize("model", THINKERS)
 def test_ollama_thinking_in_chat_and_generate(oll, model):
     """Ollama's thinking field, by default and with think true, in /api/chat and /api/generate."""
@@ -295,7 +359,8 @@ def test_ollama_show_lists_tools_and_thinking(oll):
     assert set(oll.show("qwen3").capabilities) == {"completion", "tools", "thinking"}
     assert set(oll.show("gpt-oss").capabilities) == {"completion", "tools", "thinking"}
     assert set(oll.show("qwen2.5").capabilities) == {"completion", "tools"}
-    assert oll.show("llama").capabilities == ["completion"]
+    assert set(oll.show("llama").capabilities) == {"completion", "tools"}
+    assert oll.show("gemma3").capabilities == ["completion"]
 
 
 # ---- the Python API -------------------------------------------------------------------
@@ -303,11 +368,12 @@ def test_ollama_show_lists_tools_and_thinking(oll):
 
 @pytest.fixture(scope="module")
 def rt(scripted_env):
-    """The Python API over scripted workers of Qwen3, gpt-oss and Llama."""
+    """The Python API over scripted workers of Qwen3, gpt-oss, Llama and Gemma 3."""
     from mlxrt.worker.synthetic import ensure_model
 
     models = {name: str(ensure_model(p)) for name, p in
-              (("qwen3", "tiny-qwen3"), ("gpt-oss", "tiny-gpt-oss"), ("llama", "tiny-llama"))}
+              (("qwen3", "tiny-qwen3"), ("gpt-oss", "tiny-gpt-oss"), ("llama", "tiny-llama"),
+               ("gemma3", "tiny-gemma3"))}
     runtime = Runtime(models=models, transport="stdio", _worker_argv=SCRIPTED)
     pids = [w.pid for w in runtime.workers]
     yield runtime
@@ -315,12 +381,17 @@ def rt(scripted_env):
     assert_stopped(pids)
 
 
-@pytest.mark.parametrize("model", THINKERS)
+REASONING = {"qwen3": ("I should call the tool.", "The tool answered."),
+             "gpt-oss": ("I should call the tool.", "The tool answered."), "llama": ("", "")}
+
+
+@pytest.mark.parametrize("model", sorted(REASONING))
 def test_python_api_reasoning_and_tool_calls(rt, model):
     """Completion.reasoning and .tool_calls (finish_reason tool_calls), streamed per chunk, and a round
-    trip that sends them back."""
+    trip that sends them back (Llama: no reasoning, its bare-JSON call)."""
+    thought, answered = REASONING[model]
     first = rt.generate(ASK, model=model, tools=TOOLS, max_tokens=200)
-    assert (first.text, first.reasoning) == ("", "I should call the tool.")
+    assert (first.text, first.reasoning) == ("", thought)
     assert first.finish_reason == "tool_calls"
     (call,) = first.tool_calls
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
@@ -330,7 +401,7 @@ def test_python_api_reasoning_and_tool_calls(rt, model):
     history = [*ASK, {"role": "assistant", "content": "", "tool_calls": first.tool_calls},
                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     second = rt.generate(history, model=model, tools=TOOLS, max_tokens=200)
-    assert (second.text, second.reasoning) == ("It is sunny in Paris.", "The tool answered.")
+    assert (second.text, second.reasoning) == ("It is sunny in Paris.", answered)
     assert second.tool_calls == [] and second.finish_reason == "stop"
 
 
@@ -347,8 +418,8 @@ def test_python_api_think_and_its_refusals(rt):
         rt.generate("raw text", model="qwen3", think=True)
     with pytest.raises(ValueError, match="think: model 'llama' does not support thinking"):
         rt.generate(hi, model="llama", think=True)
-    with pytest.raises(ValueError, match="tools: model 'llama' does not support tools"):
-        rt.generate(ASK, model="llama", tools=TOOLS)
+    with pytest.raises(ValueError, match="tools: model 'gemma3' does not support tools"):
+        rt.generate(ASK, model="gemma3", tools=TOOLS)
     assert rt.generate(hi, model="llama", think=False, max_tokens=2).stats.generation_tokens >= 1
 
 
@@ -367,14 +438,14 @@ BAD = [
      "tool_choice"),
     ("/v1/chat/completions", {"model": "gpt-oss", "messages": ASK, "reasoning_effort": "extreme"},
      "reasoning_effort"),
-    ("/v1/chat/completions", {"model": "llama", "messages": ASK, "tools": TOOLS}, "tools"),
+    ("/v1/chat/completions", {"model": "gemma3", "messages": ASK, "tools": TOOLS}, "tools"),
     ("/v1/chat/completions", {"model": "llama", "messages": ASK, "reasoning_effort": "low"},
      "reasoning_effort"),
     ("/v1/chat/completions", {"model": "qwen3", "messages": [{"role": "assistant", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name"),
     ("/api/chat", {"model": "qwen3", "messages": ASK, "tools": NO_NAME}, "tools[0].function.name"),
-    ("/api/chat", {"model": "llama", "messages": ASK, "tools": TOOLS}, "llama does not support tools"),
+    ("/api/chat", {"model": "gemma3", "messages": ASK, "tools": TOOLS}, "gemma3 does not support tools"),
     ("/api/chat", {"model": "llama", "messages": ASK, "think": True}, '"llama" does not support thinking'),
     ("/api/chat", {"model": "llama:latest", "messages": ASK, "think": "high"},
      '"llama:latest" does not support thinking'),

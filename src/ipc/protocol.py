@@ -61,8 +61,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=Tru
 REASONING_EFFORTS = ("low", "medium", "high")
 TOOL_CHOICES = ("auto", "required", "function")
 #: Tool formats whose calls a grammar can force (tool choice "required" or a function): mlx-lm's
-#: ``json_tools`` parser's ``<tool_call>`` JSON, and gpt-oss's harmony (src/worker/forced.py).
-FORCED_TOOL_FORMATS = ("json_tools", "harmony")
+#: ``json_tools`` parser's ``<tool_call>`` JSON, gpt-oss's harmony and Llama 3.x's bare JSON
+#: (src/worker/forced.py).
+FORCED_TOOL_FORMATS = ("json_tools", "harmony", "llama3_json")
 
 
 class ChatOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -320,7 +321,7 @@ class Capabilities(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The chat template takes `enable_thinking`, so thinking can be turned off.
     thinking_switch: bool = False
     #: How tool calls are written and parsed: "" (no parser: tools are refused), the name of
-    #: mlx-lm's tool parser (``json_tools``, ...), or "harmony".
+    #: mlx-lm's tool parser (``json_tools``, ...), "harmony" or "llama3_json" (src/worker/reply.py).
     tools: str = ""
     #: An embedding model (src/worker/embed.py) and how it pools its last hidden states: "last",
     #: "mean" or "cls"; "" for a generative model. Either kind refuses the other's requests.

@@ -9,13 +9,16 @@ a ``%json`` schema, and applied as the sequence's `Constraint`
 (`grammar.py`), so what the model writes is always a call that mlx-lm's
 parser (or the harmony one) reads and the arguments always validate.
 
-Two tool formats can be written as a grammar (`FORCED_TOOL_FORMATS`):
+Three tool formats can be written as a grammar (`FORCED_TOOL_FORMATS`):
 
 - ``json_tools`` (Qwen2.5, Qwen3, Qwen3 MoE, Qwen3.5 as the synthetic presets write it):
   ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, calls
   separated by a newline;
 - ``harmony`` (gpt-oss): ``<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}``,
-  then ``<|call|>``, an end-of-turn token, so one call per turn.
+  then ``<|call|>``, an end-of-turn token, so one call per turn;
+- ``llama3_json`` (Llama 3.1/3.2/3.3): the bare ``{"name": "f", "parameters": {...}}``, one call,
+  as Meta's templates render one per assistant turn (they raise "This model only supports single
+  tool-calls at once!" for more), so "required" is one call too.
 
 Thinking is left to the model, as vLLM does (its grammar starts where the
 reasoning ends): a model that thinks may think first, in free text up to its
@@ -70,6 +73,8 @@ def tool_call_grammar(tokenizer, caps: Capabilities, chat: ChatOptions | None, *
         start, end = _token(tokenizer, tokenizer.tool_call_start), _token(tokenizer, tokenizer.tool_call_end)
         return Grammar(kind="lark", source=_tagged(fns, start, end, think, reasoning_open=reasoning_open,
                                                    many=many))
+    if caps.tools == "llama3_json":
+        return Grammar(kind="lark", source=_llama3(fns))
     raise ValueError(f"tool_choice {chat.tool_choice!r} cannot be enforced for the tool format "
                      f"{caps.tools or 'none'!r} (enforced: {list(FORCED_TOOL_FORMATS)})")
 
@@ -88,10 +93,7 @@ def _tagged(fns: list[dict], start: str, end: str, think: tuple[str, str] | None
     else:
         lines.append(f'reasoning: "" | {think[0]} {REASONING} {think[1]}')
     for i, fn in enumerate(fns):
-        schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                   "arguments": _nested(_parameters(fn), "arguments")},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-        lines.append(f'call_{i}: {start} "\\n" %json {_json(schema)} "\\n" {end}')
+        lines.append(f'call_{i}: {start} "\\n" %json {_json(_call_schema(fn, "arguments"))} "\\n" {end}')
     return "\n".join(lines) + "\n"
 
 
@@ -106,6 +108,21 @@ def _harmony(fns: list[dict]) -> str:
         lines.append(f'call_{i}: <|channel|> {head} <|constrain|> "json" <|message|> %json '
                      f"{_json(_parameters(fn))}")
     return "\n".join(lines) + "\n"
+
+
+def _llama3(fns: list[dict]) -> str:
+    """Llama 3.x: the whole reply is one bare JSON call; the end-of-turn token follows it."""
+    lines = ["start: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    for i, fn in enumerate(fns):
+        lines.append(f"call_{i}: %json {_json(_call_schema(fn, 'parameters'))}")
+    return "\n".join(lines) + "\n"
+
+
+def _call_schema(fn: dict, key: str) -> dict:
+    """``{"name": <fn's name>, <key>: <fn's parameters>}``, nothing else."""
+    properties = {"name": {"const": fn["name"]}, key: _nested(_parameters(fn), key)}
+    return {"type": "object", "properties": properties, "required": ["name", key],
+            "additionalProperties": False}
 
 
 def _parameters(fn: dict) -> dict:

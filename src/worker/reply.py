@@ -17,6 +17,12 @@ split over two deltas is held back until it is whole):
   end of the reply). mlx-lm 0.32 has no harmony parser, and `openai-harmony`
   parses token ids of its own o200k encoding (not a checkpoint's tokenizer,
   nor the synthetic one), so this is a small text-level parser.
+- Llama 3.1/3.2/3.3's bare JSON (``llama3_json``): the whole reply is a call,
+  ``{"name": "f", "parameters": {...}}``, maybe after ``<|python_tag|>``, with
+  no markup around it. mlx-lm 0.32 has no parser for it (its `json_tools`
+  reads ``<tool_call>`` markup), so `Llama3JsonSplitter` reads it by hand, as
+  vLLM's ``llama3_json`` parser does: a reply that starts with ``{`` is held
+  to its end and parsed, any other streams as text at once.
 
 A call that does not parse (cut off by ``max_tokens``, not JSON) is kept as
 answer text, markup included, rather than dropped.
@@ -38,6 +44,14 @@ HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 #: A harmony header longer than this is not one: the model is not writing harmony.
 MAX_HARMONY_HEADER = 160
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
+#: Llama 3.x's tool format: its name in `Capabilities.tools`, the tag that may open a call.
+LLAMA3_JSON = "llama3_json"
+PYTHON_TAG = "<|python_tag|>"
+#: The call format Meta's Llama 3.1/3.2/3.3 templates ask for, in their instruction:
+#: 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}'.
+_LLAMA3_CALL_FORMAT = re.compile(r'\{\s*"name"\s*:[^{}]*"parameters"\s*:')
+#: Between two calls of one reply: a ";" or a newline, with any whitespace around.
+_LLAMA3_SEPARATOR = re.compile(r"\s*[;\n]\s*")
 
 
 @dataclass
@@ -68,6 +82,14 @@ def is_harmony(tokenizer) -> bool:
     return all(t in vocab for t in HARMONY_TOKENS) and "<|channel|>" in template
 
 
+def is_llama3_json(tokenizer) -> bool:
+    """Llama 3.1+'s bare-JSON calls: ``<|python_tag|>`` in the vocabulary (Llama 3.0 has none) and the
+    template asking for ``{"name": ..., "parameters": ...}`` (quotes escaped or not)."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    unescaped = template.replace('\\"', '"')  # a template written with double-quoted Jinja strings
+    return PYTHON_TAG in tokenizer.get_vocab() and bool(_LLAMA3_CALL_FORMAT.search(unescaped))
+
+
 def capabilities(tokenizer) -> Capabilities:
     """What the orchestrator may ask of this model: thinking, its off switch, tool calls."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
@@ -77,6 +99,8 @@ def capabilities(tokenizer) -> Capabilities:
         thinking = "think" if tokenizer.has_thinking else ""
         parser = tokenizer.tool_parser
         tools = parser.__module__.rsplit(".", 1)[-1] if tokenizer.has_tool_calling and parser else ""
+        if not tools and not thinking and is_llama3_json(tokenizer):
+            tools = LLAMA3_JSON
     return Capabilities(
         chat_template=bool(tokenizer.has_chat_template),
         thinking=thinking,
@@ -119,6 +143,8 @@ def make_splitter(tokenizer, caps: Capabilities, chat: ChatOptions | None, promp
         return HarmonySplitter(parse_tools=bool(tools), prompt_tail=tokenizer.decode(prompt[-32:]))
     if not caps.thinking and not (tools and caps.tools):
         return None
+    if caps.tools == LLAMA3_JSON:  # set only for a model without thinking (`capabilities`)
+        return Llama3JsonSplitter()
     think = (tokenizer.think_start, tokenizer.think_end) if caps.thinking else None
     call = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tools and caps.tools else None
     initial = "reasoning" if reasoning_open(tokenizer, caps, prompt) else "normal"
@@ -422,3 +448,71 @@ def _could_be_header(header: str) -> bool:
     """Whether `header` (so far) is what comes before a harmony channel: "assistant to=functions.f"."""
     words = header.split()
     return all(w.startswith("to=") or "assistant".startswith(w) or "to=".startswith(w) for w in words)
+
+
+class Llama3JsonSplitter:
+    """Llama 3.x's bare-JSON calls: the reply is a call when, after leading whitespace and an optional
+    ``<|python_tag|>``, it starts with ``{``; then it is held to the end and parsed. Any other reply
+    is answer text from its first character on, streamed as it comes.
+
+    The held reply is one JSON object or several separated by ``;`` or newlines (vLLM's
+    ``llama3_json`` reads the same), each with a ``name`` and its ``parameters`` (or ``arguments``).
+    A reply that does not parse so (cut off, not JSON, an answer that happens to be JSON) is
+    returned as answer text, unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._mode = ""  # "" undecided, "text", "call"
+
+    def feed(self, text: str) -> Parts:
+        if self._mode == "text":
+            return Parts(content=text)
+        self._held += text
+        if self._mode == "":
+            self._mode = _llama3_opening(self._held)
+            if self._mode == "text":
+                out, self._held = self._held, ""
+                return Parts(content=out)
+        return Parts()
+
+    def finish(self) -> Parts:
+        held, self._held = self._held, ""
+        calls = parse_llama3_calls(held) if self._mode == "call" else None
+        return Parts(calls=calls) if calls else Parts(content=held)
+
+
+def _llama3_opening(held: str) -> str:
+    """"call" when `held` opens a call, "text" when it cannot, "" while it is too short to tell."""
+    rest = held.lstrip()
+    if PYTHON_TAG.startswith(rest):
+        return ""  # whitespace, or part of the tag
+    rest = rest.removeprefix(PYTHON_TAG).lstrip()
+    if not rest:
+        return ""
+    return "call" if rest.startswith("{") else "text"
+
+
+def parse_llama3_calls(text: str) -> list[ToolCall] | None:
+    """The calls in a whole Llama 3.x reply (one or more JSON objects, ``;`` or newline apart, after an
+    optional ``<|python_tag|>``), or None when any part of it is not a call."""
+    rest = text.strip().removeprefix(PYTHON_TAG).strip()
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        try:
+            obj, pos = decoder.raw_decode(rest, pos)
+        except ValueError:
+            return None
+        call = make_call(obj.get("name"), obj.get("parameters", obj.get("arguments"))) \
+            if isinstance(obj, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
+        gap = _LLAMA3_SEPARATOR.match(rest, pos)
+        if pos == len(rest) or gap is not None and gap.end() == len(rest):  # a trailing ";" is no call
+            return calls
+        if gap is None:
+            return None
+        pos = gap.end()
