@@ -80,13 +80,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _engine_options(args: argparse.Namespace):
-    """The engine flags as `EngineOptions`, each unset one from its MLXRT_* variable or default."""
+    """The engine and model flags as `EngineOptions`, each unset one from its MLXRT_* variable or
+    default. Checked here; paths and the draft model are checked when the runtime starts."""
     import msgspec
 
     from .orchestrator.config import engine_from_env
 
     base = engine_from_env()
-    given = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
+    names = (*ENGINE_FLAGS, *MODEL_FLAGS, *(SAMPLING_FLAGS if args.command == "serve" else ()))
+    given = {f: getattr(args, f) for f in names if getattr(args, f, None) is not None}
+    if getattr(args, "trust_remote_code", False):
+        given["trust_remote_code"] = True
     return msgspec.structs.replace(base, **given).validate()
 
 
@@ -98,6 +102,37 @@ ENGINE_FLAGS = {
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse)",
 }
 
+#: Per-model options (docs/options.md), with mlx_lm.server's and mlx_lm.generate's flag names:
+#: field -> (flag, type, help). They apply to every --model given.
+MODEL_FLAGS = {
+    "draft_model": ("--draft-model", str, "a draft model for speculative decoding (a directory, HF id or "
+                    "synthetic:PRESET?noise=X): a lone request drafts with it, a batch decodes plainly"),
+    "num_draft_tokens": ("--num-draft-tokens", int, "tokens drafted per speculative step (default: 3)"),
+    "kv_bits": ("--kv-bits", int, "quantize a lone request's KV cache to this many bits (2, 3, 4, 5, "
+                "6 or 8); a batch keeps full precision (default: none)"),
+    "kv_group_size": ("--kv-group-size", int, "group size of KV-cache quantization (default: 64)"),
+    "quantized_kv_start": ("--quantized-kv-start", int,
+                           "quantize the KV cache once it holds this many tokens (default: 5000)"),
+    "max_kv_size": ("--max-kv-size", int, "a rotating KV cache of at most this many tokens per sequence: "
+                    "memory stays flat, older tokens are forgotten (default: unbounded)"),
+    "adapter_path": ("--adapter-path", str, "a LoRA adapter directory (adapter_config.json, "
+                     "adapters.safetensors)"),
+    "chat_template": ("--chat-template", str, "a chat template, as Jinja text or a file, in place of the "
+                      "tokenizer's"),
+    "context_length": ("--context-length", int, "the default context in tokens, prompt and reply, as "
+                       "Ollama's num_ctx (default: the model's)"),
+    "prompt_cache_file": ("--prompt-cache-file", str, "a KV-cache file from 'mlxrt cache-prompt', loaded "
+                          "into each worker's prefix cache at start"),
+}
+#: Default sampling for requests that leave it out (mlx_lm.server's --temp, ...): serve only.
+SAMPLING_FLAGS = {
+    "temperature": ("--temp", float, "default sampling temperature (default: each API's own)"),
+    "top_p": ("--top-p", float, "default nucleus sampling top-p"),
+    "top_k": ("--top-k", int, "default top-k (0 disables)"),
+    "min_p": ("--min-p", float, "default min-p"),
+    "max_tokens": ("--max-tokens", int, "default most tokens to generate (default: each API's own)"),
+}
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from .ipc.protocol import EngineOptions
@@ -107,6 +142,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         env = "MLXRT_" + name.upper()
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                        help=f"{what} (default: ${env} or {getattr(defaults, name)})")
+    group = p.add_argument_group("model options (each --model; docs/options.md)")
+    for name, (flag, kind, what) in MODEL_FLAGS.items():
+        group.add_argument(flag, dest=name, type=kind, default=None, help=what)
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="let the tokenizer run code shipped with the model")
+
+
+def _add_sampling_defaults(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("default sampling (requests that leave it out)")
+    for name, (flag, kind, what) in SAMPLING_FLAGS.items():
+        group.add_argument(flag, dest=name, type=kind, default=None, help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", "--temp", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
@@ -144,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="larger request bodies get 413")
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     _add_engine_flags(srv)
+    _add_sampling_defaults(srv)
     srv.set_defaults(func=_cmd_serve)
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")

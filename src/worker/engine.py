@@ -45,13 +45,14 @@ checkpoint lands, then start from it (`_leaders`).
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections import deque
 
 import mlx.core as mx
 import msgspec
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
@@ -64,6 +65,7 @@ from ..ipc.protocol import (
     Stats,
 )
 from .grammar import GrammarCache
+from .kvcache import KVQuant, check_quantizable, full_precision
 from .prefix_cache import PrefixCache
 from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
 from .sequence import (
@@ -75,7 +77,7 @@ from .sequence import (
     make_request_sampler,
     reseed,
 )
-from .solo import Solo
+from .solo import Draft, Solo
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -99,14 +101,23 @@ class BatchStepError(RuntimeError):
     """A batch step failed; every request in that batch fails with this."""
 
 
+#: The metadata key under which `mlxrt cache-prompt` records a prompt-cache file's token ids.
+PROMPT_FILE_TOKENS = "mlxrt.tokens"
+
+
 def resolve_model_path(model: str) -> str:
-    """Turn ``synthetic:PRESET[:SEED]`` into a made-on-demand directory; pass others through."""
+    """Turn ``synthetic:PRESET[:SEED][?noise=X&layers=N]`` into a made-on-demand directory; pass
+    others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model
-    from .synthetic import ensure_model
+    from .synthetic import ensure_model, parse_synthetic
 
-    preset, _, seed = model[len(SYNTHETIC_PREFIX) :].partition(":")
-    return str(ensure_model(preset, int(seed or 0)))
+    ref = parse_synthetic(model[len(SYNTHETIC_PREFIX) :])
+    if ref.is_variant:
+        from .variants import ensure_variant
+
+        return str(ensure_variant(ref))
+    return str(ensure_model(ref.preset, ref.seed))
 
 
 class Engine:
@@ -122,16 +133,32 @@ class Engine:
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
-        self.options = (options or EngineOptions()).validate()
+        self.options = o = (options or EngineOptions()).validate()
         path = resolve_model_path(model)
-        self.model, self.tokenizer, config = load(path, return_config=True)
+        self.model, self.tokenizer, config = load(
+            path, return_config=True, adapter_path=o.adapter_path, trust_remote_code=o.trust_remote_code,
+            tokenizer_config={"chat_template": o.chat_template} if o.chat_template is not None else None,
+        )
         self.path = path
         text = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM's fields
-        self.context_length = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+        #: The model's own context (max_position_embeddings), and the default a request gets.
+        self.model_context = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+        self.context_length = self._default_context(o.context_length)
         self.vocab_size = int(text.get("vocab_size") or 0)
-        self.trimmable = _always_trimmable(make_prompt_cache(self.model))
+        self.trimmable = _always_trimmable(make_prompt_cache(self.model, o.max_kv_size))
         self.capabilities = capabilities(self.tokenizer)
+        if o.chat_template is not None:
+            self._check_template()
+        #: KV-cache quantization of the fast path (kvcache.py), and the draft model it drafts with.
+        self.kv = None if o.kv_bits is None else KVQuant(o.kv_bits, o.kv_group_size, o.quantized_kv_start)
+        if self.kv is not None:
+            check_quantizable(self.model, self.kv)
+        self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens)
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
+        #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
+        #: the prefix cache again whenever it is emptied.
+        self._pinned = None if o.prompt_cache_file is None else self._load_prompt_file(o.prompt_cache_file)
+        self._seed_prefix_cache()
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self._batch = self._new_batch()
@@ -228,9 +255,68 @@ class Engine:
         )
 
     def clear_cache(self) -> None:
-        """Drop the prefix cache, then return MLX's cached buffers to the system."""
+        """Drop the prefix cache (but for a loaded prompt-cache file), then return MLX's cached buffers
+        to the system."""
         self.prefix_cache.clear()
         mx.clear_cache()
+        self._seed_prefix_cache()
+
+    # -- loading: what the options ask for beyond the model ----------------------
+    def _default_context(self, requested: int | None) -> int:
+        if requested is None:
+            return self.model_context
+        if requested > self.model_context:
+            raise ValueError(f"invalid context_length={requested}: the model's context is "
+                             f"{self.model_context} tokens (max_position_embeddings)")
+        return requested
+
+    def _check_template(self) -> None:
+        """The overriding chat template must render a chat with this tokenizer."""
+        try:
+            self._apply_template([ChatMessage("system", "s"), ChatMessage("user", "u")], None,
+                                 add_generation_prompt=True)
+        except Exception as exc:
+            raise ValueError(f"invalid chat_template: it does not render a chat: {exc}") from None
+
+    def _load_draft(self, ref: str, num_draft_tokens: int) -> Draft:
+        """The draft model, checked against the target: one vocabulary, caches that can be rewound."""
+        draft, tokenizer, config = load(resolve_model_path(ref), return_config=True)
+        text = {**config.get("text_config", {}), **config}
+        vocab = int(text.get("vocab_size") or 0)
+        if vocab != self.vocab_size or tokenizer.vocab_size != self.tokenizer.vocab_size:
+            raise ValueError(f"invalid draft_model={ref!r}: its vocabulary ({vocab} ids, tokenizer "
+                             f"{tokenizer.vocab_size}) is not the target's ({self.vocab_size}, "
+                             f"{self.tokenizer.vocab_size}); a draft must share the target's tokenizer")
+        for name, net in (("the target", self.model), ("the draft", draft)):
+            if not _always_trimmable(make_prompt_cache(net)):
+                kinds = sorted({type(c).__name__ for c in make_prompt_cache(net)})
+                raise ValueError(f"invalid draft_model={ref!r}: speculative decoding rewinds the cache, "
+                                 f"which {name}'s {kinds} cannot")
+        return Draft(draft, num_draft_tokens)
+
+    def _load_prompt_file(self, path: str) -> tuple[list[int], list]:
+        """A prompt cache saved by `mlxrt cache-prompt`, checked to fit this model."""
+        cache, meta = load_prompt_cache(path, return_metadata=True)
+        if PROMPT_FILE_TOKENS not in meta:
+            raise ValueError(f"invalid prompt_cache_file={path!r}: it records no token ids "
+                             "(make it with 'mlxrt cache-prompt')")
+        tokens = json.loads(meta[PROMPT_FILE_TOKENS])
+        fresh = make_prompt_cache(self.model, self.options.max_kv_size)
+        kinds, want = [type(c).__name__ for c in cache], [type(c).__name__ for c in fresh]
+        if kinds != want or not tokens:
+            raise ValueError(f"invalid prompt_cache_file={path!r}: its caches {kinds[:3]}... ({len(kinds)}) "
+                             f"are not this model's {want[:3]}... ({len(want)})")
+        try:  # one token through a copy: a cache of another model's shapes fails here
+            mx.eval(self.model(mx.array([[tokens[-1]]]), cache=copy.deepcopy(cache)))
+        except Exception as exc:
+            raise ValueError(f"invalid prompt_cache_file={path!r}: it does not fit this model: {exc}") \
+                from None
+        return tokens, cache
+
+    def _seed_prefix_cache(self) -> None:
+        if self._pinned is not None:
+            tokens, cache = self._pinned
+            self.prefix_cache.insert(tokens, copy.deepcopy(cache), "system")
 
     def warmup(self, tokens: int) -> None:
         """Compile kernels before the first request: one sequence, a long prompt, a full decode batch.
@@ -263,6 +349,7 @@ class Engine:
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
+        self._seed_prefix_cache()
         self.warmup_s = time.perf_counter() - t0
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
@@ -401,6 +488,7 @@ class Engine:
 
     def _insert(self, seq: Sequence) -> None:
         cache, n = self.prefix_cache.fetch(seq.ids)
+        cache = full_precision(cache)  # a lone sequence's quantized cache: the batch cannot merge it
         seq.cached_tokens = n
         segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
         (seq.uid,) = self._batch.insert_segments(
@@ -428,8 +516,10 @@ class Engine:
             cache, n = self.prefix_cache.fetch(seq.ids)
             seq.cached_tokens = n
             segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
-            self._solo = Solo(self.model, seq, cache, segments,
-                              prefill_step_size=self.options.prefill_step_size, stream=self._batch.stream)
+            o = self.options
+            self._solo = Solo(self.model, seq, cache, segments, prefill_step_size=o.prefill_step_size,
+                              stream=self._batch.stream, kv=self.kv, max_kv_size=o.max_kv_size,
+                              draft=self.draft)
         except Exception as exc:
             seq.listener.failed(seq.req.id, exc)
             return
@@ -579,6 +669,7 @@ class Engine:
             completion_batch_size=o.decode_concurrency,
             prefill_batch_size=o.prompt_concurrency,
             prefill_step_size=o.prefill_step_size,
+            max_kv_size=o.max_kv_size,
         )
 
 

@@ -221,6 +221,9 @@ class Sequence:
     reply: object = None
     #: The grammar's logits processor (structured output); None when unconstrained.
     constraint: Constraint | None = None
+    #: Speculative decoding on the fast path: tokens drafted for it, and those accepted.
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
@@ -237,4 +240,6 @@ class Sequence:
             finish_reason=finish,
             cached_tokens=self.cached_tokens,
             mean_batch_size=self.batch_size_sum / self.steps if self.steps else 0.0,
+            draft_tokens=self.draft_tokens,
+            draft_accepted=self.draft_accepted,
         )

@@ -546,6 +546,47 @@ def ensure_model(preset: str, seed: int = 0) -> Path:
     return make_model(preset, default_model_dir(preset, seed), seed=seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class SyntheticRef:
+    """What follows ``synthetic:`` in a model reference: ``PRESET[:SEED][?noise=X&layers=N]``.
+
+    With `noise` or `layers` it names a *variant* of the preset (`variants.py`): its weights each
+    multiplied by ``1 + noise * N(0, 1)``, its first `layers` layers kept; the tokenizer is the
+    preset's, so a variant is a draft model for it whose acceptance `noise` and `layers` control.
+    """
+
+    preset: str
+    seed: int = 0
+    noise: float = 0.0
+    layers: int | None = None
+
+    @property
+    def is_variant(self) -> bool:
+        return self.noise != 0.0 or self.layers is not None
+
+
+def parse_synthetic(ref: str) -> SyntheticRef:
+    """Parse ``PRESET[:SEED][?noise=X&layers=N]``; `ValueError` naming what is wrong."""
+    head, _, query = ref.partition("?")
+    preset, _, seed = head.partition(":")
+    try:
+        out = SyntheticRef(preset, int(seed or 0))
+        for item in filter(None, query.split("&")):
+            key, _, value = item.partition("=")
+            if key == "noise":
+                out = dataclasses.replace(out, noise=float(value))
+            elif key == "layers":
+                out = dataclasses.replace(out, layers=int(value))
+            else:
+                raise ValueError(f"unknown key {key!r} (noise, layers)")
+    except ValueError as exc:
+        raise ValueError(f"invalid synthetic model 'synthetic:{ref}': {exc}") from None
+    if out.seed < 0 or not 0.0 <= out.noise <= 10.0 or (out.layers is not None and out.layers < 1):
+        raise ValueError(f"invalid synthetic model 'synthetic:{ref}': seed >= 0, noise in [0, 10], "
+                         "layers >= 1")
+    return out
+
+
 def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """The mlx-lm model `make_model` would write for (preset, seed), unevaluated, and its config.
 

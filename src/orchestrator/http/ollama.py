@@ -21,7 +21,7 @@ import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from importlib.metadata import version
 from typing import Any
 
@@ -120,10 +120,10 @@ def parse_keep_alive(value: KeepAlive) -> float | None:
     return -seconds if text.startswith("-") else seconds
 
 
-def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
-    """The runtime's sampling keywords from Ollama `options`, Ollama's defaults filling the gaps."""
-    p = dict(DEFAULT_OPTIONS)
-    p["max_tokens"] = UNLIMITED_TOKENS
+def ollama_params(options: OllamaOptions | None, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime's sampling keywords from Ollama `options`; the gaps filled by `defaults` (the
+    model's default sampling, `--temp` and the like), else by Ollama's defaults."""
+    p = {**DEFAULT_OPTIONS, "max_tokens": UNLIMITED_TOKENS, **(defaults or {})}
     if options is None:
         return p
     o = options
@@ -284,7 +284,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = generate_prompt(req)
-        params = constrain(ollama_params(req.options), req.format)
+        params = constrain(ollama_params(req.options, self.svc.sampling_defaults(model)), req.format)
         chat = think_param(req)
         refuse_missing(self.svc, model, req.model, chat)
         if not req.raw:  # a raw prompt has no template to think through
@@ -313,7 +313,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = chat_prompt(req)
-        params = constrain(ollama_params(req.options), req.format)
+        params = constrain(ollama_params(req.options, self.svc.sampling_defaults(model)), req.format)
         params.update(chat_params(req))
         refuse_missing(self.svc, model, req.model, params)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself

@@ -229,6 +229,10 @@ class Service:
         info = self.rt.model_info(name)
         return info.vocab_size if info is not None and info.vocab_size else self.facts(name).vocab_size
 
+    def sampling_defaults(self, name: str) -> dict[str, Any]:
+        """The model's default sampling (`--temp`, `--top-p`, ...): what a request leaves out."""
+        return self.rt.model_options(name).sampling_defaults()
+
     def capabilities(self, name: str) -> Capabilities | None:
         """What the model's workers reported they support; None until one has been ready."""
         info = self.rt.model_info(name)
