@@ -65,7 +65,7 @@ from ..ipc.protocol import (
     Stats,
 )
 from .grammar import GrammarCache
-from .kvcache import KVQuant, check_quantizable, full_precision
+from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .prefix_cache import PrefixCache
 from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
 from .sequence import (
@@ -145,7 +145,7 @@ class Engine:
         self.model_context = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
         self.context_length = self._default_context(o.context_length)
         self.vocab_size = int(text.get("vocab_size") or 0)
-        self.trimmable = _always_trimmable(make_prompt_cache(self.model, o.max_kv_size))
+        self.trimmable = _always_trimmable(make_cache(self.model, o.max_kv_size))
         self.capabilities = capabilities(self.tokenizer)
         if o.chat_template is not None:
             self._check_template()
@@ -301,7 +301,7 @@ class Engine:
             raise ValueError(f"invalid prompt_cache_file={path!r}: it records no token ids "
                              "(make it with 'mlxrt cache-prompt')")
         tokens = json.loads(meta[PROMPT_FILE_TOKENS])
-        fresh = make_prompt_cache(self.model, self.options.max_kv_size)
+        fresh = make_cache(self.model, self.options.max_kv_size)
         kinds, want = [type(c).__name__ for c in cache], [type(c).__name__ for c in fresh]
         if kinds != want or not tokens:
             raise ValueError(f"invalid prompt_cache_file={path!r}: its caches {kinds[:3]}... ({len(kinds)}) "

@@ -12,6 +12,12 @@ model's dtype. Rule and trade-off: docs/engine.md.
 `quantize` differs from mlx-lm's in one point: it converts plain `KVCache`
 layers only, leaving a sliding-window `RotatingKVCache` (Gemma 3, gpt-oss)
 as it is, where mlx-lm would raise (``RotatingKVCache Quantization NYI``).
+
+A bounded cache (``max_kv_size``) is the batch's window: mlx-lm's
+`BatchRotatingKVCache` keeps the last ``max_kv_size`` tokens, while
+`make_prompt_cache` (as `mlx_lm.generate` uses it) also keeps the first 4
+for good. `make_cache` gives a lone sequence the batch's window, so a request
+gets the same ids alone, in a batch, and handed over between the two.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,18 @@ class KVQuant:
     bits: int
     group_size: int
     start: int
+
+
+def make_cache(model, max_kv_size: int | None) -> list:
+    """A new cache for one sequence: the model's own, or a rotating window of `max_kv_size` tokens
+    that keeps none of the first ones (as the batch's does)."""
+    if max_kv_size is None:
+        return make_prompt_cache(model)
+    if hasattr(model, "make_cache"):
+        raise ValueError(f"invalid max_kv_size={max_kv_size}: this model makes its own caches "
+                         f"({sorted({type(c).__name__ for c in model.make_cache()})}), which mlx-lm does "
+                         "not bound")
+    return [RotatingKVCache(max_size=max_kv_size, keep=0) for _ in model.layers]
 
 
 def quantize(cache: list, kv: KVQuant | None) -> None:

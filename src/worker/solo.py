@@ -42,7 +42,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .kvcache import KVQuant, full_precision, quantize
+from .kvcache import KVQuant, full_precision, make_cache, quantize
 from .sequence import Sequence
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
@@ -65,7 +65,7 @@ class Solo:
                  draft: Draft | None = None) -> None:
         self.model = model
         self.seq = seq
-        self.cache = cache if cache is not None else make_prompt_cache(model, max_kv_size)
+        self.cache = cache if cache is not None else make_cache(model, max_kv_size)
         self._kv = kv
         # A grammar's matcher follows every token it is shown: drafted tokens the target rejects would
         # corrupt it, so a constrained sequence decodes one token at a time.
