@@ -74,7 +74,7 @@ def test_bad_option_is_refused_before_any_worker_starts(tiny_model, no_spawn, op
 
 def test_draft_with_another_vocabulary_is_refused_at_the_edge(tiny_model, small_model, no_spawn):
     """A draft whose vocabulary differs from the target's: refused before any worker starts."""
-    with pytest.raises(ValueError, match=r"draft_model=.*8192 tokens, the target's .* 2048"):
+    with pytest.raises(ValueError, match=r"draft_model=.*tokenizer is not the target.s.*8192 .* 2048"):
         Runtime(model=ModelSpec(tiny_model, draft_model=small_model))
 
 
@@ -193,3 +193,22 @@ def test_kv_bits_allowed_are_what_mlx_quantizes():
     with pytest.raises(ValueError):
         mx.eval(mx.quantize(x, group_size=64, bits=7))
     json.dumps(KV_BITS)
+
+
+def test_synthetic_draft_of_another_preset_shares_the_tokenizer_only_with_its_vocabulary():
+    """A small preset drafts for a large one of its family once made with the large one's vocabulary
+    (``?vocab=``): the edge compares the tokenizers the two synthetic references will have."""
+    from mlxrt.orchestrator.options import tokenizer_key
+
+    big, small = "synthetic:qwen2.5-7b-4bit", "synthetic:qwen2.5-0.5b-4bit"
+    assert tokenizer_key(big) != tokenizer_key(small)
+    assert tokenizer_key(big) == tokenizer_key(small + "?vocab=152064")
+    assert tokenizer_key("synthetic:tiny") == tokenizer_key("synthetic:tiny?noise=0.1&layers=1")
+
+
+def test_worker_refuses_a_draft_with_another_tokenizer(tiny_model):
+    """Where the edge cannot read the tokenizers, the worker compares them at load."""
+    from mlxrt.worker.engine import Engine
+
+    with pytest.raises(ValueError, match="draft_model=.*tokenizer .* is not the target's"):
+        Engine(tiny_model, options=EngineOptions(draft_model="synthetic:tiny?vocab=4096"))

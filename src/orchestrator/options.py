@@ -83,7 +83,7 @@ def prepare(name: str, spec: ModelSpec, base: EngineOptions) -> tuple[str, Engin
     changes: dict[str, Any] = {}
     if opts.draft_model is not None:
         changes["draft_model"] = draft = resolve_model(opts.draft_model)
-        _check_draft(config, model_config(draft), target, draft)
+        _check_draft(target, draft, config, model_config(draft))
     if opts.adapter_path is not None:
         changes["adapter_path"] = _adapter_dir(opts.adapter_path)
     if opts.chat_template is not None:
@@ -111,19 +111,51 @@ def model_config(ref: str) -> dict[str, Any] | None:
 
 
 def _synthetic_config(name: str) -> dict[str, Any] | None:
-    from ..worker.synthetic import PRESETS, parse_synthetic  # no MLX at import
+    from ..worker.synthetic import parse_synthetic, synthetic_preset  # no MLX at import
 
-    preset = parse_synthetic(name).preset
-    return PRESETS[preset].config() if preset in PRESETS else None
+    try:
+        return synthetic_preset(parse_synthetic(name)).config()
+    except KeyError:
+        return None  # an unknown preset: the worker names the choices
 
 
-def _check_draft(target_cfg, draft_cfg, target: str, draft: str) -> None:
-    if target_cfg is None or draft_cfg is None:
-        return
-    tv, dv = target_cfg.get("vocab_size"), draft_cfg.get("vocab_size")
-    if tv and dv and tv != dv:
-        raise ValueError(f"invalid draft_model={draft!r}: its vocabulary has {dv} tokens, the target's "
-                         f"({target}) {tv}; a draft must share the target's tokenizer")
+def tokenizer_key(ref: str) -> object | None:
+    """What identifies `ref`'s tokenizer (its ids for every token), if it can be read here: a
+    synthetic preset's tokenizer recipe, or a directory's tokenizer.json vocabulary and added tokens.
+    Keys of the two kinds do not compare (the first element says which)."""
+    if ref.startswith(SYNTHETIC_PREFIX):
+        from ..worker.synthetic import parse_synthetic, synthetic_preset
+
+        try:
+            return "synthetic", synthetic_preset(parse_synthetic(ref[len(SYNTHETIC_PREFIX):])).tokenizer_key
+        except KeyError:
+            return None
+    try:
+        data = json.loads((Path(ref) / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        added = sorted((t["id"], t["content"]) for t in data.get("added_tokens", []))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return "tokenizer.json", vocab, added
+
+
+def _check_draft(target: str, draft: str, target_cfg, draft_cfg) -> None:
+    """A draft must tokenize as the target does (its token ids are compared with the target's), and
+    its ids must be ids of the target's embedding."""
+    tk, dk = tokenizer_key(target), tokenizer_key(draft)
+    if tk is not None and dk is not None and tk[0] == dk[0] and tk != dk:
+        raise ValueError(f"invalid draft_model={draft!r}: its tokenizer is not the target's ({target}); "
+                         f"a draft must share the target's vocabulary{_sizes(target_cfg, draft_cfg)}")
+    tv = (target_cfg or {}).get("vocab_size")
+    dv = (draft_cfg or {}).get("vocab_size")
+    if tv and dv and dv > tv:
+        raise ValueError(f"invalid draft_model={draft!r}: it scores {dv} token ids, more than the "
+                         f"target's {tv}")
+
+
+def _sizes(target_cfg, draft_cfg) -> str:
+    tv, dv = (target_cfg or {}).get("vocab_size"), (draft_cfg or {}).get("vocab_size")
+    return f" (the draft's has {dv} tokens, the target's {tv})" if tv and dv and tv != dv else ""
 
 
 def _check_model_fit(opts: EngineOptions, config: dict[str, Any] | None, name: str) -> None:

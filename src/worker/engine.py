@@ -106,18 +106,13 @@ PROMPT_FILE_TOKENS = "mlxrt.tokens"
 
 
 def resolve_model_path(model: str) -> str:
-    """Turn ``synthetic:PRESET[:SEED][?noise=X&layers=N]`` into a made-on-demand directory; pass
-    others through."""
+    """Turn ``synthetic:PRESET[:SEED][?noise=X&layers=N&vocab=V]`` into a made-on-demand directory;
+    pass others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model
-    from .synthetic import ensure_model, parse_synthetic
+    from .synthetic import ensure_synthetic, parse_synthetic
 
-    ref = parse_synthetic(model[len(SYNTHETIC_PREFIX) :])
-    if ref.is_variant:
-        from .variants import ensure_variant
-
-        return str(ensure_variant(ref))
-    return str(ensure_model(ref.preset, ref.seed))
+    return str(ensure_synthetic(parse_synthetic(model[len(SYNTHETIC_PREFIX) :])))
 
 
 class Engine:
@@ -283,10 +278,13 @@ class Engine:
         draft, tokenizer, config = load(resolve_model_path(ref), return_config=True)
         text = {**config.get("text_config", {}), **config}
         vocab = int(text.get("vocab_size") or 0)
-        if vocab != self.vocab_size or tokenizer.vocab_size != self.tokenizer.vocab_size:
-            raise ValueError(f"invalid draft_model={ref!r}: its vocabulary ({vocab} ids, tokenizer "
-                             f"{tokenizer.vocab_size}) is not the target's ({self.vocab_size}, "
-                             f"{self.tokenizer.vocab_size}); a draft must share the target's tokenizer")
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"invalid draft_model={ref!r}: its tokenizer ({len(tokenizer.get_vocab())} "
+                             f"tokens) is not the target's ({len(self.tokenizer.get_vocab())}); a draft "
+                             "must share the target's vocabulary")
+        if vocab > self.vocab_size:
+            raise ValueError(f"invalid draft_model={ref!r}: it scores {vocab} token ids, more than the "
+                             f"target's {self.vocab_size}")
         for name, net in (("the target", self.model), ("the draft", draft)):
             if not _always_trimmable(make_prompt_cache(net)):
                 kinds = sorted({type(c).__name__ for c in make_prompt_cache(net)})

@@ -200,7 +200,8 @@ class Solo:
         self._next, self._head_sent = sampled[n : n + 1], False
 
     def _draft_tokens(self, k: int) -> mx.array:
-        """k tokens drafted greedily after the head (the draft first fed what it has not seen)."""
+        """k tokens drafted greedily after the head (the draft first fed what it has not seen), through
+        the sequence's logits processors (a repetition penalty), as the target will score them."""
         draft = self._draft
         assert draft is not None
         if k == 0:
@@ -212,9 +213,13 @@ class Solo:
             mx.eval([c.state for c in self._draft_cache])
             feed = feed[self._step_size :]
         y = mx.array(feed)
-        out = []
+        out: list[mx.array] = []
+        context = mx.array([*self.tokens, self._head], dtype=mx.uint32)
         for _ in range(k):
-            y = mx.argmax(draft.model(y[None], cache=self._draft_cache)[0, -1:], axis=-1).astype(mx.uint32)
+            logits = draft.model(y[None], cache=self._draft_cache)[0, -1:]
+            for processor in self.seq.processors:
+                logits = processor(mx.concatenate([context, *out]), logits)
+            y = mx.argmax(logits, axis=-1).astype(mx.uint32)
             out.append(y)
         return mx.concatenate(out)
 

@@ -23,6 +23,7 @@ changes the model's output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -40,8 +41,7 @@ from .synthetic import (
     _key_seed,
     _read_marker,
     _write_json,
-    default_model_dir,
-    ensure_model,
+    ensure_synthetic,
 )
 
 log = structlog.get_logger("mlxrt.worker")
@@ -52,16 +52,11 @@ ADAPTER_SCALE = 20.0
 ADAPTER_STD = 0.1
 
 
-def variant_dir(ref: SyntheticRef) -> Path:
-    """Cache directory of a variant, beside its preset's."""
-    base = default_model_dir(ref.preset, ref.seed)
-    return base.with_name(f"{base.name}-noise{ref.noise:g}-layers{ref.layers or 'all'}")
-
-
 def ensure_variant(ref: SyntheticRef) -> Path:
     """The cached variant directory for `ref`, made (with its preset) first if missing or stale."""
-    return make_variant(ensure_model(ref.preset, ref.seed), variant_dir(ref), noise=ref.noise,
-                        layers=ref.layers, seed=ref.seed)
+    base = ensure_synthetic(dataclasses.replace(ref, noise=0.0, layers=None))
+    out = base.with_name(f"{base.name}-noise{ref.noise:g}-layers{ref.layers or 'all'}")
+    return make_variant(base, out, noise=ref.noise, layers=ref.layers, seed=ref.seed)
 
 
 def make_variant(src: str | Path, out: str | Path, *, noise: float = 0.0, layers: int | None = None,

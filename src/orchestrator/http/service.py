@@ -190,6 +190,9 @@ class Generation:
         if stats is not None:
             m.prompt_tokens.labels(self.model).inc(stats.prompt_tokens)
             m.cached_tokens.labels(self.model).inc(stats.cached_tokens)
+            if stats.draft_tokens:
+                m.draft_tokens.labels(self.model).inc(stats.draft_tokens)
+                m.draft_accepted.labels(self.model).inc(stats.draft_accepted)
             if stats.decode_tps > 0:
                 m.decode_rate.labels(self.model).observe(stats.decode_tps)
         worker = {} if stats is None else {  # the worker's share of the TTFT: waiting, then prefill
