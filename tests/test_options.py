@@ -212,3 +212,35 @@ def test_worker_refuses_a_draft_with_another_tokenizer(tiny_model):
 
     with pytest.raises(ValueError, match="draft_model=.*tokenizer .* is not the target's"):
         Engine(tiny_model, options=EngineOptions(draft_model="synthetic:tiny?vocab=4096"))
+
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role | upper }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>ASSISTANT: {% endif %}")
+
+
+def test_adapter_and_chat_template_per_model(tiny_model, tiny_adapter, reference):
+    """One runtime, three models on one directory: the adapter changes the greedy ids to mlx-lm's with
+    that adapter, the model without it keeps the base ids; an overriding chat template is what a chat
+    is rendered with."""
+    from mlx_lm import load, stream_generate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    prompt = "Once upon a time"
+    tuned_model, tuned_tok = load(tiny_model, adapter_path=tiny_adapter)
+    want_tuned = [r.token for r in stream_generate(tuned_model, tuned_tok, prompt, max_tokens=12)]
+    base_model, base_tok = reference
+    want_base = [r.token for r in stream_generate(base_model, base_tok, prompt, max_tokens=12)]
+    assert want_tuned != want_base
+    models = {"base": tiny_model, "tuned": ModelSpec(tiny_model, adapter_path=tiny_adapter),
+              "templated": ModelSpec(tiny_model, chat_template=TEMPLATE)}
+    with Runtime(models=models, transport="stdio") as rt:
+        assert rt.generate(prompt, model="tuned", max_tokens=12, ignore_eos=True).tokens == want_tuned
+        assert rt.generate(prompt, model="base", max_tokens=12, ignore_eos=True).tokens == want_base
+        rendered = "<|im_start|>SYSTEM: Be brief.<|im_end|>\n<|im_start|>USER: Tell me a story.<|im_end|>\n" \
+                   "<|im_start|>ASSISTANT: "
+        chat = rt.generate(messages, model="templated", max_tokens=8, ignore_eos=True)
+        raw = rt.generate(rendered, model="templated", max_tokens=8, ignore_eos=True)
+        assert chat.tokens == raw.tokens
+        assert chat.stats.prompt_tokens == len(base_tok.encode(rendered))
+        default = rt.generate(messages, model="base", max_tokens=8, ignore_eos=True)
+        assert default.stats.prompt_tokens != chat.stats.prompt_tokens
