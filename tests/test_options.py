@@ -244,3 +244,39 @@ def test_adapter_and_chat_template_per_model(tiny_model, tiny_adapter, reference
         assert chat.stats.prompt_tokens == len(base_tok.encode(rendered))
         default = rt.generate(messages, model="base", max_tokens=8, ignore_eos=True)
         assert default.stats.prompt_tokens != chat.stats.prompt_tokens
+
+
+def test_context_length_default_and_num_ctx(tiny_model):
+    """A model's default context bounds prompt and reply; a request's num_ctx replaces it, up to the
+    model's own context; beyond that it is refused before the request reaches a worker."""
+    from mlxrt import RequestError
+
+    long_prompt = list(range(100, 180))  # 80 tokens
+    with Runtime(model=ModelSpec(tiny_model, context_length=64), transport="stdio") as rt:
+        with pytest.raises(RequestError, match=r"80 tokens; the context is 64 tokens \(context_length\)"):
+            rt.generate(long_prompt, max_tokens=4)
+        c = rt.generate(long_prompt, max_tokens=1000, ignore_eos=True, num_ctx=100)
+        assert c.stats.generation_tokens == 100 - 80 and c.finish_reason == "length"
+        c = rt.generate([5, 6, 7, 8], max_tokens=1000, ignore_eos=True)
+        assert c.stats.generation_tokens == 64 - 4
+        with pytest.raises(ValueError, match="invalid num_ctx=513: model .* has a 512-token context"):
+            rt.generate("Hi", num_ctx=513)
+        with pytest.raises(RequestError, match=r"the context is 16 tokens \(num_ctx\)"):
+            rt.generate(long_prompt, num_ctx=16)
+
+
+def test_ollama_num_ctx_is_enforced_with_a_400(tiny_model):
+    """Ollama's options.num_ctx: beyond the model's context, or shorter than the prompt, is a 400."""
+    import httpx
+    from test_http import running
+
+    with running({"tiny": tiny_model}) as srv:
+        body = {"model": "tiny", "prompt": "Hello there", "raw": True, "stream": False}
+        r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 4096}}, timeout=60)
+        assert r.status_code == 400 and "options.num_ctx" in r.json()["error"] and "512" in r.json()["error"]
+        r = httpx.post(srv.url + "/api/generate", json={**body, "prompt": "word " * 40,
+                                                        "options": {"num_ctx": 8}}, timeout=60)
+        assert r.status_code == 400 and "the context is 8 tokens (num_ctx)" in r.json()["error"]
+        r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 8, "num_predict": -1}},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["prompt_eval_count"] + r.json()["eval_count"] <= 8

@@ -138,6 +138,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     #: Structured output: the reply must match this grammar (None: unconstrained).
     grammar: Grammar | None = None
+    #: The context for this request, prompt and reply, in tokens (Ollama's num_ctx); None: the model's
+    #: default (`EngineOptions.context_length`, else its own context).
+    num_ctx: int | None = None
 
     def validate(self) -> SamplingParams:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -168,6 +171,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             "must be >= 0",
             self.stop_token_ids,
         )
+        if self.num_ctx is not None:
+            _check(self.num_ctx >= 2, "num_ctx", "must be >= 2", self.num_ctx)
         return self
 
 

@@ -581,7 +581,16 @@ def new_request(pool: Pool, model: str | None, prompt: Prompt, params: dict[str,
     req = build_request(pool.next_id(), prompt, {**pool.options[name].sampling_defaults(), **params})
     ready = next((s.ready for s in pool.model_slots(model) if s.ready is not None), None)
     check_capabilities(req, ready, name)
+    check_context(req, ready, name)
     return req
+
+
+def check_context(req: Generate, ready: Ready | None, name: str) -> None:
+    """`ValueError` when `req` asks for a context beyond the model's (the worker checks too, for
+    requests sent before any worker of the model was ready)."""
+    ctx = req.params.num_ctx
+    if ctx is not None and ready is not None and ctx > ready.context_length:
+        raise ValueError(f"invalid num_ctx={ctx}: model {name!r} has a {ready.context_length}-token context")
 
 
 def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:

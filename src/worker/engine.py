@@ -391,12 +391,25 @@ class Engine:
             raise ValueError("request has no prompt, prompt_ids or messages")
         if not ids:
             raise ValueError("prompt is empty")
-        if len(ids) >= self.context_length:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the model's context is "
-                f"{self.context_length} tokens (max_position_embeddings)"
-            )
+        ctx = self.request_context(req)
+        if len(ids) >= ctx:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context is {ctx} tokens "
+                                     f"({self._context_source(req)})")
         return ids
+
+    def request_context(self, req: Generate) -> int:
+        """The request's context in tokens, prompt and reply: its num_ctx, else the model's default."""
+        ctx = req.params.num_ctx
+        if ctx is None:
+            return self.context_length
+        if ctx > self.model_context:
+            raise ValueError(f"invalid num_ctx={ctx}: the model's context is {self.model_context} tokens")
+        return ctx
+
+    def _context_source(self, req: Generate) -> str:
+        if req.params.num_ctx is not None:
+            return "num_ctx"
+        return "context_length" if self.options.context_length is not None else "max_position_embeddings"
 
     def _apply_template(self, messages, chat, **kwargs) -> list[int]:
         if not self.tokenizer.has_chat_template:
@@ -453,7 +466,7 @@ class Engine:
             req=req,
             ids=ids,
             system_end=self._system_end(req, ids) if self.prefix_cache.enabled and req.messages else 0,
-            max_tokens=min(p.max_tokens, self.context_length - len(ids)),
+            max_tokens=min(p.max_tokens, self.request_context(req) - len(ids)),
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
             processors=processors,

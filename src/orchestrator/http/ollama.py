@@ -78,6 +78,7 @@ OPTION_NAMES = {
     "repetition_context_size": "options.repeat_last_n",
     "seed": "options.seed",
     "stop": "options.stop",
+    "num_ctx": "options.num_ctx",
 }
 NS_PER_MS = 1_000_000
 
@@ -138,6 +139,8 @@ def ollama_params(options: OllamaOptions | None, defaults: Mapping[str, Any] | N
         p["max_tokens"] = o.num_predict
     if o.seed is not None and o.seed != -1:  # -1: a random seed
         p["seed"] = o.seed
+    if o.num_ctx is not None:
+        p["num_ctx"] = o.num_ctx
     if o.stop is not None:
         p["stop"] = [o.stop] if isinstance(o.stop, str) else o.stop
     if o.repeat_last_n is not None:
