@@ -52,6 +52,32 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache_prompt(args: argparse.Namespace) -> int:
+    """Prefill a prompt in this process and save its KV cache (as mlx_lm.cache_prompt does)."""
+    from .ipc.protocol import EngineOptions
+    from .orchestrator.errors import MlxrtError
+    from .orchestrator.options import ModelSpec, prepare
+
+    names = ("adapter_path", "chat_template", "max_kv_size", "prefill_step_size")
+    given = {f: getattr(args, f) for f in names if getattr(args, f) is not None}
+    spec = ModelSpec(args.model, trust_remote_code=args.trust_remote_code, **given)
+    try:
+        target, opts = prepare("model", spec, EngineOptions())
+        from .worker.engine import Engine
+        from .worker.prompt_file import prompt_tokens, save_prompt_file
+
+        engine = Engine(target, options=opts)
+        pairs = (("prompt", args.prompt), ("system", args.system))
+        text = {k: sys.stdin.read() if v == "-" else v for k, v in pairs if v is not None}
+        ids = prompt_tokens(engine, **text)
+        nbytes = save_prompt_file(engine, args.prompt_cache_file, ids)
+    except (MlxrtError, ValueError, OSError) as exc:
+        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.prompt_cache_file}: {len(ids)} tokens, {nbytes} bytes of KV cache")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -192,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(srv)
     _add_sampling_defaults(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    cp = sub.add_parser("cache-prompt", help="save a prompt's KV cache for --prompt-cache-file "
+                        "(as mlx_lm.cache_prompt)")
+    cp.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
+    what = cp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--system", help="a chat system prompt: cache what every chat with it begins with "
+                      "('-' reads stdin)")
+    what.add_argument("--prompt", help="raw text: cache its tokens ('-' reads stdin)")
+    cp.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
+    for name in ("adapter_path", "chat_template", "max_kv_size"):
+        flag, kind, what_help = MODEL_FLAGS[name]
+        cp.add_argument(flag, dest=name, type=kind, default=None, help=f"{what_help} (as the server will)")
+    cp.add_argument("--prefill-step-size", type=int, default=None, help="prompt tokens per prefill step")
+    cp.add_argument("--trust-remote-code", action="store_true")
+    cp.set_defaults(func=_cmd_cache_prompt)
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
     mk.add_argument("preset", help="tiny, small, tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, "

@@ -276,6 +276,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
                    "single_stream", self.draft_model)
         if self.context_length is not None:
             _check(self.context_length >= 2, "context_length", "must be >= 2", self.context_length)
+        if self.prompt_cache_file is not None:
+            _check(self.prompt_cache_bytes > 0, "prompt_cache_file",
+                   "loads into the prefix cache: needs prompt_cache_bytes > 0", self.prompt_cache_file)
         self._sampling().validate()
         return self
 

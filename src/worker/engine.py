@@ -45,14 +45,13 @@ checkpoint lands, then start from it (`_leaders`).
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections import deque
 
 import mlx.core as mx
 import msgspec
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
@@ -67,6 +66,7 @@ from ..ipc.protocol import (
 from .grammar import GrammarCache
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .prefix_cache import PrefixCache
+from .prompt_file import load_prompt_file
 from .reply import capabilities, check_request, make_splitter, split_emit, template_kwargs, template_message
 from .sequence import (
     Listener,
@@ -99,10 +99,6 @@ class NoChatTemplateError(ValueError):
 
 class BatchStepError(RuntimeError):
     """A batch step failed; every request in that batch fails with this."""
-
-
-#: The metadata key under which `mlxrt cache-prompt` records a prompt-cache file's token ids.
-PROMPT_FILE_TOKENS = "mlxrt.tokens"
 
 
 def resolve_model_path(model: str) -> str:
@@ -152,7 +148,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
-        self._pinned = None if o.prompt_cache_file is None else self._load_prompt_file(o.prompt_cache_file)
+        self._pinned = None if o.prompt_cache_file is None else load_prompt_file(self, o.prompt_cache_file)
         self._seed_prefix_cache()
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
@@ -291,25 +287,6 @@ class Engine:
                 raise ValueError(f"invalid draft_model={ref!r}: speculative decoding rewinds the cache, "
                                  f"which {name}'s {kinds} cannot")
         return Draft(draft, num_draft_tokens)
-
-    def _load_prompt_file(self, path: str) -> tuple[list[int], list]:
-        """A prompt cache saved by `mlxrt cache-prompt`, checked to fit this model."""
-        cache, meta = load_prompt_cache(path, return_metadata=True)
-        if PROMPT_FILE_TOKENS not in meta:
-            raise ValueError(f"invalid prompt_cache_file={path!r}: it records no token ids "
-                             "(make it with 'mlxrt cache-prompt')")
-        tokens = json.loads(meta[PROMPT_FILE_TOKENS])
-        fresh = make_cache(self.model, self.options.max_kv_size)
-        kinds, want = [type(c).__name__ for c in cache], [type(c).__name__ for c in fresh]
-        if kinds != want or not tokens:
-            raise ValueError(f"invalid prompt_cache_file={path!r}: its caches {kinds[:3]}... ({len(kinds)}) "
-                             f"are not this model's {want[:3]}... ({len(want)})")
-        try:  # one token through a copy: a cache of another model's shapes fails here
-            mx.eval(self.model(mx.array([[tokens[-1]]]), cache=copy.deepcopy(cache)))
-        except Exception as exc:
-            raise ValueError(f"invalid prompt_cache_file={path!r}: it does not fit this model: {exc}") \
-                from None
-        return tokens, cache
 
     def _seed_prefix_cache(self) -> None:
         if self._pinned is not None:
