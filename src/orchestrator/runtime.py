@@ -622,7 +622,8 @@ class Runtime:
     `models` maps names to such references to serve several. Sampling keywords
     of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
-    ignore_eos; for structured output ``json_schema`` (a JSON schema the
+    ignore_eos, num_ctx (the request's context, prompt and reply, as Ollama's);
+    for structured output ``json_schema`` (a JSON schema the
     reply must match, enforced in the worker) or ``grammar`` (a `Grammar`:
     a JSON schema, a regex or a Lark grammar). Chat keywords (the prompt a
     list of messages): tools, tool_choice, think (`chat.chat_options`); the
