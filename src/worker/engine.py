@@ -310,7 +310,10 @@ class Engine:
             return
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-        self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
+        # With a draft, long enough for a full round: the target scores num_draft_tokens + 1 tokens.
+        lone = SamplingParams(max_tokens=tokens + (self.draft.num_draft_tokens + 1 if self.draft else 0),
+                              ignore_eos=True)
+        self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=lone)])
         if mx.default_device().type == mx.DeviceType.gpu:
             long = self._long_warmup_ids(tokens)
             solo = self.solo_enabled
