@@ -47,7 +47,14 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         print(f"mlxrt: error: unknown preset {args.preset!r}; choose from {sorted(PRESETS)}", file=sys.stderr)
         return 2
-    out = make_model(args.preset, args.out, seed=args.seed, force=args.force)
+    if args.noise or args.layers is not None:  # a draft variant: the preset (cached), then the copy
+        from .worker.synthetic import SyntheticRef, ensure_synthetic
+        from .worker.variants import make_variant
+
+        base = ensure_synthetic(SyntheticRef(args.preset, args.seed, vocab=args.vocab_size))
+        out = make_variant(base, args.out, noise=args.noise, layers=args.layers, seed=args.seed)
+    else:
+        out = make_model(args.preset, args.out, seed=args.seed, force=args.force, vocab_size=args.vocab_size)
     print(out)
     return 0
 
@@ -241,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--out", required=True, help="directory to write")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--force", action="store_true", help="rewrite even if the directory is current")
+    mk.add_argument("--noise", type=float, default=0.0,
+                    help="a draft variant: every weight times 1 + NOISE * N(0, 1) (docs/options.md)")
+    mk.add_argument("--layers", type=int, default=None, help="a draft variant: keep the first LAYERS layers")
+    mk.add_argument("--vocab-size", type=int, default=None,
+                    help="another vocabulary size, so the tokenizer of the family's presets of that size")
     mk.set_defaults(func=_cmd_make_model)
 
     from .soak import add_parser as add_soak_parser

@@ -280,3 +280,16 @@ def test_ollama_num_ctx_is_enforced_with_a_400(tiny_model):
         r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 8, "num_predict": -1}},
                        timeout=60)
         assert r.status_code == 200 and r.json()["prompt_eval_count"] + r.json()["eval_count"] <= 8
+
+
+def test_make_model_writes_a_draft_variant(tmp_path):
+    """`mlxrt make-model PRESET --noise X --layers N` writes a loadable cut, perturbed copy that keeps
+    the preset's tokenizer."""
+    from mlx_lm import load
+    from mlxrt.cli import main
+    from mlxrt.worker.synthetic import ensure_model
+
+    assert main(["make-model", "tiny", "--out", str(tmp_path / "d"), "--noise", "0.02", "--layers", "1"]) == 0
+    model, tokenizer = load(str(tmp_path / "d"))
+    _, base = load(str(ensure_model("tiny")))
+    assert len(model.layers) == 1 and tokenizer.get_vocab() == base.get_vocab()
