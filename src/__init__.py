@@ -19,6 +19,7 @@ from .orchestrator.errors import (
     WorkerDied,
 )
 from .orchestrator.handle import WorkerInfo, WorkerMemory
+from .orchestrator.options import ModelSpec
 from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, Runtime, Stream
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "ModelFailedError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "ModelSpec",
     "RequestError",
     "Runtime",
     "SamplingParams",

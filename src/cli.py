@@ -47,8 +47,41 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         print(f"mlxrt: error: unknown preset {args.preset!r}; choose from {sorted(PRESETS)}", file=sys.stderr)
         return 2
-    out = make_model(args.preset, args.out, seed=args.seed, force=args.force)
+    if args.noise or args.layers is not None:  # a draft variant: the preset (cached), then the copy
+        from .worker.synthetic import SyntheticRef, ensure_synthetic
+        from .worker.variants import make_variant
+
+        base = ensure_synthetic(SyntheticRef(args.preset, args.seed, vocab=args.vocab_size))
+        out = make_variant(base, args.out, noise=args.noise, layers=args.layers, seed=args.seed)
+    else:
+        out = make_model(args.preset, args.out, seed=args.seed, force=args.force, vocab_size=args.vocab_size)
     print(out)
+    return 0
+
+
+def _cmd_cache_prompt(args: argparse.Namespace) -> int:
+    """Prefill a prompt in this process and save its KV cache (as mlx_lm.cache_prompt does)."""
+    from .ipc.protocol import EngineOptions
+    from .orchestrator.errors import MlxrtError
+    from .orchestrator.options import ModelSpec, prepare
+
+    names = ("adapter_path", "chat_template", "max_kv_size", "prefill_step_size")
+    given = {f: getattr(args, f) for f in names if getattr(args, f) is not None}
+    spec = ModelSpec(args.model, trust_remote_code=args.trust_remote_code, **given)
+    try:
+        target, opts = prepare("model", spec, EngineOptions())
+        from .worker.engine import Engine
+        from .worker.prompt_file import prompt_tokens, save_prompt_file
+
+        engine = Engine(target, options=opts)
+        pairs = (("prompt", args.prompt), ("system", args.system))
+        text = {k: sys.stdin.read() if v == "-" else v for k, v in pairs if v is not None}
+        ids = prompt_tokens(engine, **text)
+        nbytes = save_prompt_file(engine, args.prompt_cache_file, ids)
+    except (MlxrtError, ValueError, OSError) as exc:
+        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.prompt_cache_file}: {len(ids)} tokens, {nbytes} bytes of KV cache")
     return 0
 
 
@@ -81,13 +114,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _engine_options(args: argparse.Namespace):
-    """The engine flags as `EngineOptions`, each unset one from its MLXRT_* variable or default."""
+    """The engine and model flags as `EngineOptions`, each unset one from its MLXRT_* variable or
+    default. Checked here; paths and the draft model are checked when the runtime starts."""
     import msgspec
 
     from .orchestrator.config import engine_from_env
 
     base = engine_from_env()
-    given = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
+    names = (*ENGINE_FLAGS, *MODEL_FLAGS, *(SAMPLING_FLAGS if args.command == "serve" else ()))
+    given = {f: getattr(args, f) for f in names if getattr(args, f, None) is not None}
+    if getattr(args, "trust_remote_code", False):
+        given["trust_remote_code"] = True
     return msgspec.structs.replace(base, **given).validate()
 
 
@@ -99,6 +136,37 @@ ENGINE_FLAGS = {
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse)",
 }
 
+#: Per-model options (docs/options.md), with mlx_lm.server's and mlx_lm.generate's flag names:
+#: field -> (flag, type, help). They apply to every --model given.
+MODEL_FLAGS = {
+    "draft_model": ("--draft-model", str, "a draft model for speculative decoding (a directory, HF id or "
+                    "synthetic:PRESET?noise=X): a lone request drafts with it, a batch decodes plainly"),
+    "num_draft_tokens": ("--num-draft-tokens", int, "tokens drafted per speculative step (default: 3)"),
+    "kv_bits": ("--kv-bits", int, "quantize a lone request's KV cache to this many bits (2, 3, 4, 5, "
+                "6 or 8); a batch keeps full precision (default: none)"),
+    "kv_group_size": ("--kv-group-size", int, "group size of KV-cache quantization (default: 64)"),
+    "quantized_kv_start": ("--quantized-kv-start", int,
+                           "quantize the KV cache once it holds this many tokens (default: 5000)"),
+    "max_kv_size": ("--max-kv-size", int, "a rotating KV cache of at most this many tokens per sequence: "
+                    "memory stays flat, older tokens are forgotten (default: unbounded)"),
+    "adapter_path": ("--adapter-path", str, "a LoRA adapter directory (adapter_config.json, "
+                     "adapters.safetensors)"),
+    "chat_template": ("--chat-template", str, "a chat template, as Jinja text or a file, in place of the "
+                      "tokenizer's"),
+    "context_length": ("--context-length", int, "the default context in tokens, prompt and reply, as "
+                       "Ollama's num_ctx (default: the model's)"),
+    "prompt_cache_file": ("--prompt-cache-file", str, "a KV-cache file from 'mlxrt cache-prompt', loaded "
+                          "into each worker's prefix cache at start"),
+}
+#: Default sampling for requests that leave it out (mlx_lm.server's --temp, ...): serve only.
+SAMPLING_FLAGS = {
+    "temperature": ("--temp", float, "default sampling temperature (default: each API's own)"),
+    "top_p": ("--top-p", float, "default nucleus sampling top-p"),
+    "top_k": ("--top-k", int, "default top-k (0 disables)"),
+    "min_p": ("--min-p", float, "default min-p"),
+    "max_tokens": ("--max-tokens", int, "default most tokens to generate (default: each API's own)"),
+}
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from .ipc.protocol import EngineOptions
@@ -108,6 +176,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         env = "MLXRT_" + name.upper()
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                        help=f"{what} (default: ${env} or {getattr(defaults, name)})")
+    group = p.add_argument_group("model options (each --model; docs/options.md)")
+    for name, (flag, kind, what) in MODEL_FLAGS.items():
+        group.add_argument(flag, dest=name, type=kind, default=None, help=what)
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="let the tokenizer run code shipped with the model")
+
+
+def _add_sampling_defaults(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("default sampling (requests that leave it out)")
+    for name, (flag, kind, what) in SAMPLING_FLAGS.items():
+        group.add_argument(flag, dest=name, type=kind, default=None, help=what)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", "--temp", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
@@ -155,7 +234,23 @@ def build_parser() -> argparse.ArgumentParser:
                           f"and GET /v1/responses/ID (default: {DEFAULT_RESPONSES_STORE}; 0 keeps none)")
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     _add_engine_flags(srv)
+    _add_sampling_defaults(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    cp = sub.add_parser("cache-prompt", help="save a prompt's KV cache for --prompt-cache-file "
+                        "(as mlx_lm.cache_prompt)")
+    cp.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
+    what = cp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--system", help="a chat system prompt: cache what every chat with it begins with "
+                      "('-' reads stdin)")
+    what.add_argument("--prompt", help="raw text: cache its tokens ('-' reads stdin)")
+    cp.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
+    for name in ("adapter_path", "chat_template", "max_kv_size"):
+        flag, kind, what_help = MODEL_FLAGS[name]
+        cp.add_argument(flag, dest=name, type=kind, default=None, help=f"{what_help} (as the server will)")
+    cp.add_argument("--prefill-step-size", type=int, default=None, help="prompt tokens per prefill step")
+    cp.add_argument("--trust-remote-code", action="store_true")
+    cp.set_defaults(func=_cmd_cache_prompt)
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
     mk.add_argument("preset", help="tiny, small, tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, "
@@ -164,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--out", required=True, help="directory to write")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--force", action="store_true", help="rewrite even if the directory is current")
+    mk.add_argument("--noise", type=float, default=0.0,
+                    help="a draft variant: every weight times 1 + NOISE * N(0, 1) (docs/options.md)")
+    mk.add_argument("--layers", type=int, default=None, help="a draft variant: keep the first LAYERS layers")
+    mk.add_argument("--vocab-size", type=int, default=None,
+                    help="another vocabulary size, so the tokenizer of the family's presets of that size")
     mk.set_defaults(func=_cmd_make_model)
 
     from .soak import add_parser as add_soak_parser

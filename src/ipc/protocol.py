@@ -156,6 +156,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     #: Choices for the prompt: n sequences decoded together from one prefill (OpenAI's `n`).
     n: int = 1
+    #: The context for this request, prompt and reply, in tokens (Ollama's num_ctx); None: the model's
+    #: default (`EngineOptions.context_length`, else its own context).
+    num_ctx: int | None = None
 
     def validate(self) -> SamplingParams:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -190,6 +193,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             _check(0 <= self.logprobs <= MAX_TOP_LOGPROBS, "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]",
                    self.logprobs)
         _check(1 <= self.n <= MAX_CHOICES, "n", f"must be in [1, {MAX_CHOICES}]", self.n)
+        if self.num_ctx is not None:
+            _check(self.num_ctx >= 2, "num_ctx", "must be >= 2", self.num_ctx)
         return self
 
 
@@ -202,10 +207,28 @@ DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # a laptop's share: ~18k tokens of a 7B model's KV
+#: mlx_lm.server's defaults for the same options.
+DEFAULT_NUM_DRAFT_TOKENS = 3
+DEFAULT_KV_GROUP_SIZE = 64
+DEFAULT_QUANTIZED_KV_START = 5000
+#: KV-cache bits and group sizes MLX's affine quantization takes (``mx.quantize``; 7 is refused; 1 works
+#: but leaves nothing of the cache, so it is left out).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+#: The most draft tokens per speculative step: each one costs a draft forward pass.
+MAX_NUM_DRAFT_TOKENS = 32
+#: A rotating cache keeps its first 4 tokens (mlx-lm's `make_prompt_cache`): a smaller one holds nothing else.
+MIN_MAX_KV_SIZE = 8
 
 
 class EngineOptions(msgspec.Struct, kw_only=True):
-    """How a worker batches and caches; names follow `mlx_lm.server`'s flags."""
+    """How a worker runs its model: batching and caching, and the per-model options (draft model,
+    KV cache, adapter, chat template, context, default sampling); names follow `mlx_lm.server`'s and
+    `mlx_lm.generate`'s flags.
+
+    One record per model, parsed at the edge (`orchestrator.options.prepare`: paths resolved, the
+    chat template read from its file, the draft checked against the target) and sent in `Hello`.
+    """
 
     #: Most sequences decoded together (mlx_lm.server --decode-concurrency).
     decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
@@ -217,6 +240,33 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     #: A lone request decodes outside the batch, as `mlx_lm.generate_step` does (docs/engine.md).
     single_stream: bool = True
+    #: Speculative decoding: the draft model a lone sequence drafts with (a directory, HF id or
+    #: ``synthetic:`` reference; --draft-model), and how many tokens it drafts per step.
+    draft_model: str | None = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    #: KV-cache quantization (--kv-bits, --kv-group-size, --quantized-kv-start): None keeps full precision.
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    #: A bounded, rotating KV cache of this many tokens per sequence (--max-kv-size); None: unbounded.
+    max_kv_size: int | None = None
+    #: LoRA adapter directory: adapter_config.json and adapters.safetensors (--adapter-path).
+    adapter_path: str | None = None
+    #: A chat template (Jinja text) in place of the tokenizer's (--chat-template: the text or a file).
+    chat_template: str | None = None
+    #: Let the tokenizer run code shipped with the model (--trust-remote-code).
+    trust_remote_code: bool = False
+    #: The default context, prompt and reply, in tokens (Ollama's num_ctx); None: the model's own.
+    context_length: int | None = None
+    #: A KV-cache file made by ``mlxrt cache-prompt``, loaded into the prefix cache at start.
+    prompt_cache_file: str | None = None
+    #: Default sampling, for requests that leave it out (--temp, --top-p, --top-k, --min-p,
+    #: --max-tokens); None: the API's own default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    max_tokens: int | None = None
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -224,7 +274,44 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.prompt_concurrency >= 1, "prompt_concurrency", "must be >= 1", self.prompt_concurrency)
         _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
         _check(self.prompt_cache_bytes >= 0, "prompt_cache_bytes", "must be >= 0", self.prompt_cache_bytes)
+        _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
+               f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
+        if self.kv_bits is not None:
+            _check(self.kv_bits in KV_BITS, "kv_bits", f"must be one of {KV_BITS} (MLX's quantization)",
+                   self.kv_bits)
+            _check(self.max_kv_size is None, "kv_bits", "cannot quantize a rotating cache (max_kv_size)",
+                   self.kv_bits)
+            _check(self.single_stream, "kv_bits",
+                   "quantizes the single-stream fast path: needs single_stream", self.kv_bits)
+        _check(self.kv_group_size in KV_GROUP_SIZES, "kv_group_size", f"must be one of {KV_GROUP_SIZES}",
+               self.kv_group_size)
+        _check(self.quantized_kv_start >= 0, "quantized_kv_start", "must be >= 0", self.quantized_kv_start)
+        if self.max_kv_size is not None:
+            _check(self.max_kv_size >= MIN_MAX_KV_SIZE, "max_kv_size", f"must be >= {MIN_MAX_KV_SIZE}",
+                   self.max_kv_size)
+        if self.draft_model is not None:
+            _check(bool(self.draft_model), "draft_model", "must not be empty", self.draft_model)
+            _check(self.max_kv_size is None, "draft_model",
+                   "speculative decoding rewinds the cache, which a rotating one (max_kv_size) cannot",
+                   self.draft_model)
+            _check(self.single_stream, "draft_model", "drafts on the single-stream fast path: needs "
+                   "single_stream", self.draft_model)
+        if self.context_length is not None:
+            _check(self.context_length >= 2, "context_length", "must be >= 2", self.context_length)
+        if self.prompt_cache_file is not None:
+            _check(self.prompt_cache_bytes > 0, "prompt_cache_file",
+                   "loads into the prefix cache: needs prompt_cache_bytes > 0", self.prompt_cache_file)
+        self._sampling().validate()
         return self
+
+    def _sampling(self) -> SamplingParams:
+        """The default sampling as a `SamplingParams`, only to check its values."""
+        return SamplingParams(**self.sampling_defaults())
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The default sampling keywords the options set (those left None are left out)."""
+        names = ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 class Stats(msgspec.Struct, kw_only=True):
@@ -245,6 +332,15 @@ class Stats(msgspec.Struct, kw_only=True):
     mean_batch_size: float = 0.0
     #: The stop string that ended the reply ("" when none did), as Anthropic's `stop_sequence` reports it.
     stop_sequence: str = ""
+    #: Speculative decoding: tokens the draft model proposed for this request, and those the target
+    #: accepted (0 and 0 when it decoded without a draft, e.g. in a batch).
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per drafted token (0.0 when nothing was drafted)."""
+        return self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0
 
 
 # ---- orchestrator -> worker -------------------------------------------------

@@ -41,7 +41,7 @@ from .chat import CHAT_KEYWORDS, chat_messages, chat_options, missing_capability
 from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
-from .models import resolve_model
+from .options import ModelSpec, as_spec, prepare
 from .routing import PrefixRouter, block_keys
 from .structured import check_grammar, json_schema_grammar
 from .supervisor import Slot
@@ -159,7 +159,7 @@ class Pool:
 
     def __init__(
         self,
-        models: Mapping[str, str],
+        models: Mapping[str, str | ModelSpec],
         *,
         workers: int,
         transport: str,
@@ -191,7 +191,11 @@ class Pool:
         self._queued = threading.Event()
         #: (slot, request id) of streams dropped without close(): cancelled by the monitor thread.
         self.dropped: queue.SimpleQueue = queue.SimpleQueue()
-        targets = {name: resolve_model(ref) for name, ref in models.items()}
+        #: Each model's options as its workers get them (paths resolved, checked at the edge).
+        self.options: dict[str, EngineOptions] = {}
+        targets = {}
+        for name, model in models.items():
+            targets[name], self.options[name] = prepare(name, as_spec(model), self.engine)
         self.slots: dict[str, list[Slot]] = {}
         self.spares: dict[str, list[Slot]] = {}
         for name, target in targets.items():
@@ -203,7 +207,7 @@ class Pool:
                 timeouts=timeouts,
                 warmup_tokens=warmup_tokens,
                 cache_limit_bytes=cache_limit_bytes,
-                engine=self.engine,
+                engine=self.options[name],
                 argv=worker_argv,
             )
             make = functools.partial(
@@ -608,6 +612,25 @@ def _choice(index: int, chunks: list[Chunk], stats: Stats, model: str) -> Comple
                       tool_calls=[t for c in chunks for t in c.tool_calls], logprobs=logprobs, index=index)
 
 
+def new_request(pool: Pool, model: str | None, prompt: Prompt, params: dict[str, Any]) -> Generate:
+    """A checked request for `model`: its default sampling under the caller's keywords."""
+    name = model or pool.default_model
+    pool.model_slots(model)  # an unknown model is named before its sampling is looked at
+    req = build_request(pool.next_id(), prompt, {**pool.options[name].sampling_defaults(), **params})
+    ready = next((s.ready for s in pool.model_slots(model) if s.ready is not None), None)
+    check_capabilities(req, ready, name)
+    check_context(req, ready, name)
+    return req
+
+
+def check_context(req: Generate, ready: Ready | None, name: str) -> None:
+    """`ValueError` when `req` asks for a context beyond the model's (the worker checks too, for
+    requests sent before any worker of the model was ready)."""
+    ctx = req.params.num_ctx
+    if ctx is not None and ready is not None and ctx > ready.context_length:
+        raise ValueError(f"invalid num_ctx={ctx}: model {name!r} has a {ready.context_length}-token context")
+
+
 def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
     """`ValueError` when `req` asks the model for thinking or tools it does not support, or asks an
     embedding model to generate."""
@@ -624,10 +647,11 @@ def check_capabilities(req: Generate, ready: Ready | None, name: str) -> None:
         raise ValueError(f"invalid {field}: model {name!r} does not support {missing}")
 
 
-def _model_map(model: str | None, models: Mapping[str, str] | None) -> dict[str, str]:
+def _model_map(model: str | ModelSpec | None,
+               models: Mapping[str, str | ModelSpec] | None) -> dict[str, str | ModelSpec]:
     out = dict(models or {})
     if model is not None:
-        out.setdefault(model, model)
+        out.setdefault(model.path if isinstance(model, ModelSpec) else model, model)
     return out
 
 
@@ -641,7 +665,8 @@ class Runtime:
     `models` maps names to such references to serve several. Sampling keywords
     of `generate`/`stream`: max_tokens, temperature, top_p, top_k, min_p,
     repetition_penalty, repetition_context_size, seed, stop, stop_token_ids,
-    ignore_eos; for structured output ``json_schema`` (a JSON schema the
+    ignore_eos, num_ctx (the request's context, prompt and reply, as Ollama's);
+    for structured output ``json_schema`` (a JSON schema the
     reply must match, enforced in the worker) or ``grammar`` (a `Grammar`:
     a JSON schema, a regex or a Lark grammar); ``logprobs`` (0: each token's
     log-probability, k <= 20: and the k most likely tokens; `Completion.logprobs`,
@@ -657,7 +682,12 @@ class Runtime:
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,
     prompt_cache_bytes); by default the ``MLXRT_*`` variables of the same
-    names, else laptop-sized defaults.
+    names, else laptop-sized defaults. A model given as a `ModelSpec`
+    (``models={"q": ModelSpec(path, draft_model=..., kv_bits=8)}``) has
+    options of its own: a draft model, KV-cache quantization or a bounded
+    cache, a LoRA adapter, a chat template, its context length, a prompt-cache
+    file and default sampling (docs/options.md), checked before any worker
+    starts; a request's sampling keywords win over the model's defaults.
 
     `spares` hot spares per model (default 0): loaded, warmed-up workers that
     take no requests and take a crashed worker's place at once, a new spare
@@ -666,9 +696,9 @@ class Runtime:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | ModelSpec | None = None,
         *,
-        models: Mapping[str, str] | None = None,
+        models: Mapping[str, str | ModelSpec] | None = None,
         workers: int = 1,
         transport: str = "auto",
         timeouts: Timeouts | None = None,
@@ -722,8 +752,7 @@ class Runtime:
         `keep_alive` (seconds) sets how long the model stays loaded once idle
         (Ollama's keep_alive; 0 unloads it right after this request).
         """
-        req = build_request(self._pool.next_id(), prompt, params)
-        check_capabilities(req, self.model_info(model), model or self._pool.default_model)
+        req = new_request(self._pool, model, prompt, params)
         return Stream(self._pool, model, req, _keep_alive(keep_alive))
 
     def generate(
@@ -760,6 +789,11 @@ class Runtime:
         """What a worker of `model` reported when it became ready (context length, vocabulary
         size, versions, device); None until one has."""
         return next((s.ready for s in self._pool.model_slots(model) if s.ready is not None), None)
+
+    def model_options(self, model: str | None = None) -> EngineOptions:
+        """The options `model`'s workers run with, as checked at the edge (paths resolved)."""
+        self._pool.model_slots(model)
+        return self._pool.options[model or self._pool.default_model]
 
     def memory(self, timeout: float = 5.0) -> list[WorkerMemory]:
         """Each loaded worker's MLX and process memory (one round trip each)."""
@@ -854,8 +888,7 @@ class AsyncRuntime:
         self, prompt: Prompt, *, model: str | None = None, keep_alive: float | None = None, **params: Any
     ) -> AsyncStream:
         pool = self.runtime._pool
-        req = build_request(pool.next_id(), prompt, params)
-        check_capabilities(req, self.model_info(model), model or pool.default_model)
+        req = new_request(pool, model, prompt, params)
         return AsyncStream(pool, model, req, _keep_alive(keep_alive))
 
     async def generate(
@@ -898,6 +931,9 @@ class AsyncRuntime:
 
     def model_info(self, model: str | None = None) -> Ready | None:
         return self.runtime.model_info(model)
+
+    def model_options(self, model: str | None = None) -> EngineOptions:
+        return self.runtime.model_options(model)
 
     async def memory(self, timeout: float = 5.0) -> list[WorkerMemory]:
         return await asyncio.to_thread(self.runtime.memory, timeout)

@@ -190,6 +190,7 @@ class Embedder:
         self.model, config = load_backbone(path)
         text = {**config.get("text_config", {}), **config}
         self.context_length = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+        self.model_context = self.context_length  # what Ready reports (no per-model context option here)
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.dim = int(text["hidden_size"])
         self.capabilities = Capabilities(embedding=spec.pooling, embedding_dim=self.dim)

@@ -68,8 +68,10 @@ from ..ipc.protocol import (
 from .choices import Group
 from .forced import tool_call_grammar
 from .grammar import GrammarCache
+from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .logprobs import TokenBytes, token_logprobs
 from .prefix_cache import PrefixCache
+from .prompt_file import load_prompt_file
 from .reply import (
     capabilities,
     check_request,
@@ -88,7 +90,7 @@ from .sequence import (
     make_request_sampler,
     reseed,
 )
-from .solo import Solo
+from .solo import Draft, Solo
 
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -118,13 +120,13 @@ class ModelKindError(ValueError):
 
 
 def resolve_model_path(model: str) -> str:
-    """Turn ``synthetic:PRESET[:SEED]`` into a made-on-demand directory; pass others through."""
+    """Turn ``synthetic:PRESET[:SEED][?noise=X&layers=N&vocab=V]`` into a made-on-demand directory;
+    pass others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model
-    from .synthetic import ensure_model
+    from .synthetic import ensure_synthetic, parse_synthetic
 
-    preset, _, seed = model[len(SYNTHETIC_PREFIX) :].partition(":")
-    return str(ensure_model(preset, int(seed or 0)))
+    return str(ensure_synthetic(parse_synthetic(model[len(SYNTHETIC_PREFIX) :])))
 
 
 class Engine:
@@ -140,16 +142,32 @@ class Engine:
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
-        self.options = (options or EngineOptions()).validate()
+        self.options = o = (options or EngineOptions()).validate()
         path = resolve_model_path(model)
-        self.model, self.tokenizer, config = load(path, return_config=True)
+        self.model, self.tokenizer, config = load(
+            path, return_config=True, adapter_path=o.adapter_path, trust_remote_code=o.trust_remote_code,
+            tokenizer_config={"chat_template": o.chat_template} if o.chat_template is not None else None,
+        )
         self.path = path
         text = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM's fields
-        self.context_length = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+        #: The model's own context (max_position_embeddings), and the default a request gets.
+        self.model_context = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
+        self.context_length = self._default_context(o.context_length)
         self.vocab_size = int(text.get("vocab_size") or 0)
-        self.trimmable = _always_trimmable(make_prompt_cache(self.model))
+        self.trimmable = _always_trimmable(make_cache(self.model, o.max_kv_size))
         self.capabilities = capabilities(self.tokenizer)
+        if o.chat_template is not None:
+            self._check_template()
+        #: KV-cache quantization of the fast path (kvcache.py), and the draft model it drafts with.
+        self.kv = None if o.kv_bits is None else KVQuant(o.kv_bits, o.kv_group_size, o.quantized_kv_start)
+        if self.kv is not None:
+            check_quantizable(self.model, self.kv)
+        self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens)
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
+        #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
+        #: the prefix cache again whenever it is emptied.
+        self._pinned = None if o.prompt_cache_file is None else load_prompt_file(self, o.prompt_cache_file)
+        self._seed_prefix_cache()
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self.token_bytes = TokenBytes(self.tokenizer, self.grammars)
@@ -269,9 +287,52 @@ class Engine:
         )
 
     def clear_cache(self) -> None:
-        """Drop the prefix cache, then return MLX's cached buffers to the system."""
+        """Drop the prefix cache (but for a loaded prompt-cache file), then return MLX's cached buffers
+        to the system."""
         self.prefix_cache.clear()
         mx.clear_cache()
+        self._seed_prefix_cache()
+
+    # -- loading: what the options ask for beyond the model ----------------------
+    def _default_context(self, requested: int | None) -> int:
+        if requested is None:
+            return self.model_context
+        if requested > self.model_context:
+            raise ValueError(f"invalid context_length={requested}: the model's context is "
+                             f"{self.model_context} tokens (max_position_embeddings)")
+        return requested
+
+    def _check_template(self) -> None:
+        """The overriding chat template must render a chat with this tokenizer."""
+        try:
+            self._apply_template([ChatMessage("system", "s"), ChatMessage("user", "u")], None,
+                                 add_generation_prompt=True)
+        except Exception as exc:
+            raise ValueError(f"invalid chat_template: it does not render a chat: {exc}") from None
+
+    def _load_draft(self, ref: str, num_draft_tokens: int) -> Draft:
+        """The draft model, checked against the target: one vocabulary, caches that can be rewound."""
+        draft, tokenizer, config = load(resolve_model_path(ref), return_config=True)
+        text = {**config.get("text_config", {}), **config}
+        vocab = int(text.get("vocab_size") or 0)
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"invalid draft_model={ref!r}: its tokenizer ({len(tokenizer.get_vocab())} "
+                             f"tokens) is not the target's ({len(self.tokenizer.get_vocab())}); a draft "
+                             "must share the target's vocabulary")
+        if vocab > self.vocab_size:
+            raise ValueError(f"invalid draft_model={ref!r}: it scores {vocab} token ids, more than the "
+                             f"target's {self.vocab_size}")
+        for name, net in (("the target", self.model), ("the draft", draft)):
+            if not _always_trimmable(make_prompt_cache(net)):
+                kinds = sorted({type(c).__name__ for c in make_prompt_cache(net)})
+                raise ValueError(f"invalid draft_model={ref!r}: speculative decoding rewinds the cache, "
+                                 f"which {name}'s {kinds} cannot")
+        return Draft(draft, num_draft_tokens)
+
+    def _seed_prefix_cache(self) -> None:
+        if self._pinned is not None:
+            tokens, cache = self._pinned
+            self.prefix_cache.insert(tokens, copy.deepcopy(cache), "system")
 
     def warmup(self, tokens: int) -> None:
         """Compile kernels before the first request: one sequence, a long prompt, a full decode batch.
@@ -290,7 +351,10 @@ class Engine:
             return
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-        self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=params)])
+        # With a draft, long enough for a full round: the target scores num_draft_tokens + 1 tokens.
+        lone = SamplingParams(max_tokens=tokens + (self.draft.num_draft_tokens + 1 if self.draft else 0),
+                              ignore_eos=True)
+        self._run_to_end([Generate(id=-1, prompt=WARMUP_PROMPT, params=lone)])
         if mx.default_device().type == mx.DeviceType.gpu:
             long = self._long_warmup_ids(tokens)
             solo = self.solo_enabled
@@ -304,6 +368,7 @@ class Engine:
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
+        self._seed_prefix_cache()
         self.warmup_s = time.perf_counter() - t0
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
@@ -347,12 +412,25 @@ class Engine:
             raise ValueError("request has no prompt, prompt_ids or messages")
         if not ids:
             raise ValueError("prompt is empty")
-        if len(ids) >= self.context_length:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the model's context is "
-                f"{self.context_length} tokens (max_position_embeddings)"
-            )
+        ctx = self.request_context(req)
+        if len(ids) >= ctx:
+            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context is {ctx} tokens "
+                                     f"({self._context_source(req)})")
         return ids
+
+    def request_context(self, req: Generate) -> int:
+        """The request's context in tokens, prompt and reply: its num_ctx, else the model's default."""
+        ctx = req.params.num_ctx
+        if ctx is None:
+            return self.context_length
+        if ctx > self.model_context:
+            raise ValueError(f"invalid num_ctx={ctx}: the model's context is {self.model_context} tokens")
+        return ctx
+
+    def _context_source(self, req: Generate) -> str:
+        if req.params.num_ctx is not None:
+            return "num_ctx"
+        return "context_length" if self.options.context_length is not None else "max_position_embeddings"
 
     def _apply_template(self, messages, chat, **kwargs) -> list[int]:
         if not self.tokenizer.has_chat_template:
@@ -425,7 +503,7 @@ class Engine:
             req=req,
             ids=ids,
             system_end=system_end,
-            max_tokens=min(p.max_tokens, self.context_length - len(ids)),
+            max_tokens=min(p.max_tokens, self.request_context(req) - len(ids)),
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
             processors=processors,
@@ -470,6 +548,7 @@ class Engine:
             (cache, n), seq.start = seq.start, None
         else:
             cache, n = self.prefix_cache.fetch(seq.ids)
+        cache = full_precision(cache)  # a lone sequence's quantized cache: the batch cannot merge it
         seq.cached_tokens = n
         segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
                                     fork=bool(seq.forks))
@@ -523,8 +602,10 @@ class Engine:
             cache, n = self.prefix_cache.fetch(seq.ids)
             seq.cached_tokens = n
             segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
-            self._solo = Solo(self.model, seq, cache, segments,
-                              prefill_step_size=self.options.prefill_step_size, stream=self._batch.stream)
+            o = self.options
+            self._solo = Solo(self.model, seq, cache, segments, prefill_step_size=o.prefill_step_size,
+                              stream=self._batch.stream, kv=self.kv, max_kv_size=o.max_kv_size,
+                              draft=self.draft)
         except Exception as exc:
             self._failed(seq, exc)
             return
@@ -696,6 +777,7 @@ class Engine:
             completion_batch_size=o.decode_concurrency,
             prefill_batch_size=o.prompt_concurrency,
             prefill_step_size=o.prefill_step_size,
+            max_kv_size=o.max_kv_size,
         )
 
 

@@ -406,7 +406,7 @@ def main() -> None:
             protocol=PROTOCOL_VERSION,
             pid=os.getpid(),
             model=hello.model,
-            context_length=engine.context_length,
+            context_length=engine.model_context,
             vocab_size=engine.vocab_size,
             load_s=engine.load_s,
             warmup_s=engine.warmup_s,

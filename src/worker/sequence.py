@@ -240,6 +240,9 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     #: A choice forked from another: the cache of all its prompt but the last token, and its length.
     start: tuple[list, int] | None = None
+    #: Speculative decoding on the fast path: tokens drafted for it, and those accepted.
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
@@ -257,4 +260,6 @@ class Sequence:
             cached_tokens=self.cached_tokens,
             mean_batch_size=self.batch_size_sum / self.steps if self.steps else 0.0,
             stop_sequence=self.text.stop_hit,
+            draft_tokens=self.draft_tokens,
+            draft_accepted=self.draft_accepted,
         )

@@ -13,28 +13,73 @@ logits processors on the same token context, the same log-softmax and the
 same sampler object, so the ids are those the batch would give. `handoff`
 says how to put the sequence into a `BatchGenerator` so that it goes on
 exactly where it is (`Engine._hand_over`).
+
+Two things only a lone sequence does, because mlx-lm's `BatchGenerator`
+cannot batch them (docs/engine.md has the rules):
+
+- **KV-cache quantization** (`kvcache.py`): after each model call its
+  `KVCache` layers past ``quantized_kv_start`` become `QuantizedKVCache`s,
+  as in `generate_step`; handed over, the cache goes back to full precision.
+- **Speculative decoding** with a draft model, as `speculative_generate_step`
+  does it: the draft proposes `num_draft_tokens` tokens greedily, the target
+  scores them all in one call, and the tokens up to the first one the
+  target's own sampler does not pick are kept, with the target's token at
+  that place. A greedy target gets exactly its own ids; a sampled one its own
+  distribution (a drafted token is kept only where the target drew it). One
+  round runs when the tokens it made are all delivered, so `decode` still
+  returns one token per call; the token after the accepted ones is delivered
+  before the next round is drafted. Handed over, the tokens it made beyond the
+  delivered one are dropped (the cache is rewound) and the draft's cache with
+  them: the batch recomputes them.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
 import mlx.core as mx
-from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import TokenBuffer, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from .kvcache import KVQuant, full_precision, make_cache, quantize
 from .sequence import Sequence
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
 CLEAR_CACHE_EVERY = 256
 
 
+@dataclass(frozen=True)
+class Draft:
+    """A loaded draft model and how many tokens it proposes per round."""
+
+    model: object
+    num_draft_tokens: int
+
+
 class Solo:
     """A sequence, its cache and its pending token; every method runs on the engine's thread."""
 
     def __init__(self, model, seq: Sequence, cache: list | None, segments: list[list[int]], *,
-                 prefill_step_size: int, stream) -> None:
+                 prefill_step_size: int, stream, kv: KVQuant | None = None, max_kv_size: int | None = None,
+                 draft: Draft | None = None) -> None:
         self.model = model
         self.seq = seq
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache if cache is not None else make_cache(model, max_kv_size)
+        self._kv = kv
+        # A grammar's matcher follows every token it is shown: drafted tokens the target rejects would
+        # corrupt it, so a constrained sequence decodes one token at a time. So does one that asked for
+        # log-probabilities: they come from the plain step's distribution.
+        self._draft = draft if seq.constraint is None and seq.logprobs is None else None
+        if self._draft is not None:
+            self._draft_cache = make_prompt_cache(self._draft.model)
+            #: Tokens the draft has not seen yet, before the head: at first, the whole prompt.
+            self._draft_in: list[int] = list(seq.ids)
+        #: Speculative: tokens in the cache, accepted, not yet delivered; and whether `_next` (the
+        #: head, sampled, not in the cache) was delivered.
+        self._pending: deque[int] = deque()
+        self._head_sent = False
+        self._head = 0
         #: The tokens whose keys and values are in `cache`, in order.
         self.tokens = list(seq.ids[: seq.cached_tokens])
         segments = [list(s) for s in segments if s]
@@ -68,6 +113,7 @@ class Solo:
             chunk, self.segments[0] = seg[: self._step_size], seg[self._step_size :]
             with mx.stream(self._stream):
                 self.model(mx.array(chunk)[None], cache=self.cache)
+                quantize(self.cache, self._kv)
                 mx.eval([c.state for c in self.cache])
             mx.clear_cache()
             self.tokens += chunk
@@ -89,6 +135,8 @@ class Solo:
         With `lookahead` the step after it is queued first (its keys and values join the cache);
         without, the cache ends before the returned token, ready for `handoff`.
         """
+        if self._draft is not None:
+            return self._count(self._speculative(lookahead))
         y, self._next = self._next, None
         assert y is not None, "decode before the prompt was prefilled"
         lp, self._next_logprobs = self._next_logprobs, None
@@ -100,6 +148,10 @@ class Solo:
             self.tokens.append(token)
         else:
             self._resume = token
+        return self._count(token)
+
+    def _count(self, token: int) -> tuple[int, str | None]:
+        """Count a delivered token; mlx-lm's finish reason for it."""
         self.n += 1
         if self.n % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -107,6 +159,97 @@ class Solo:
         if self._matcher.advance(token):
             reason = "stop"
         return token, reason
+
+    # -- speculative decoding -------------------------------------------------------
+    def _speculative(self, lookahead: bool) -> int:
+        """The next token: an accepted draft token, else the head (a round first if it was sent)."""
+        if not self._pending and self._head_sent:
+            self._round()
+        if self._pending:
+            token = self._pending.popleft()
+            if not lookahead:  # the batch goes on from `token`: the cache ends before it
+                self._rewind(1 + len(self._pending))
+                self._pending.clear()
+                self._resume = token
+            return token
+        assert self._next is not None, "decode before the prompt was prefilled"
+        self._head = token = int(self._next.item())
+        self._head_sent = True
+        if not lookahead:
+            self._resume = token
+        return token
+
+    def _round(self) -> None:
+        """Draft up to `num_draft_tokens` after the head, score head and drafts in one target call,
+        keep the accepted ones as pending and the target's next token as the new head."""
+        draft, seq = self._draft, self.seq
+        assert draft is not None and self._next is not None
+        k = max(0, min(draft.num_draft_tokens, seq.max_tokens - self.n - 1))
+        with mx.stream(self._stream):
+            drafted = self._draft_tokens(k)
+            inputs = mx.concatenate([self._next.astype(mx.uint32), drafted])
+            logits = self.model(inputs[None], cache=self.cache)[0]
+            quantize(self.cache, self._kv)
+            sampled = self._sample(inputs, logits)
+            mx.eval(sampled, drafted)
+        ids, proposed = sampled.tolist(), drafted.tolist()
+        n = next((i for i, (t, d) in enumerate(zip(ids, proposed, strict=False)) if t != d), k)
+        trim_prompt_cache(self.cache, k - n)
+        self.tokens += [self._head, *proposed[:n]]
+        if k:
+            if n == k:
+                self._draft_in = [proposed[-1]]  # the draft never saw its own last token
+            else:
+                trim_prompt_cache(self._draft_cache, k - 1 - n)
+        seq.draft_tokens += k
+        seq.draft_accepted += n
+        self._pending.extend(proposed[:n])
+        self._next, self._head_sent = sampled[n : n + 1], False
+
+    def _draft_tokens(self, k: int) -> mx.array:
+        """k tokens drafted greedily after the head (the draft first fed what it has not seen), through
+        the sequence's logits processors (a repetition penalty), as the target will score them."""
+        draft = self._draft
+        assert draft is not None
+        if k == 0:
+            self._draft_in.append(self._head)
+            return mx.array([], dtype=mx.uint32)
+        feed, self._draft_in = [*self._draft_in, self._head], []
+        while len(feed) > self._step_size:  # a long prompt the draft has not seen: in chunks
+            draft.model(mx.array(feed[: self._step_size])[None], cache=self._draft_cache)
+            mx.eval([c.state for c in self._draft_cache])
+            feed = feed[self._step_size :]
+        y = mx.array(feed)
+        out: list[mx.array] = []
+        context = mx.array([*self.tokens, self._head], dtype=mx.uint32)
+        for _ in range(k):
+            logits = draft.model(y[None], cache=self._draft_cache)[0, -1:]
+            for processor in self.seq.processors:
+                logits = processor(mx.concatenate([context, *out]), logits)
+            y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            out.append(y)
+        return mx.concatenate(out)
+
+    def _sample(self, inputs: mx.array, logits: mx.array) -> mx.array:
+        """The target's token after each of `inputs`, as its batch step would sample it there."""
+        seq = self.seq
+        sampler = seq.sampler or greedy_sampler
+        if not seq.processors:
+            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        base = mx.array(self.tokens, dtype=mx.uint32)
+        rows = []
+        for i in range(inputs.shape[0]):
+            context = mx.concatenate([base, inputs[: i + 1]])
+            row = logits[i : i + 1]
+            for processor in seq.processors:
+                row = processor(context, row)
+            rows.append(sampler(row - mx.logsumexp(row, axis=-1, keepdims=True)))
+        return mx.concatenate(rows)
+
+    def _rewind(self, n: int) -> None:
+        """Take the last `n` tokens out of the cache."""
+        trim_prompt_cache(self.cache, n)
+        del self.tokens[len(self.tokens) - n :]
 
     def handoff(self) -> dict:
         """`BatchGenerator.insert_segments` arguments that resume this sequence where it is.
@@ -121,7 +264,7 @@ class Solo:
         return {
             "segments": [segments],
             "max_tokens": [self.seq.max_tokens - self.n],
-            "caches": [self.cache],
+            "caches": [full_precision(self.cache)],
             "all_tokens": [list(self.tokens)],
             "samplers": [self.seq.sampler],
             "logits_processors": [self.seq.processors],
@@ -136,6 +279,7 @@ class Solo:
         seq = self.seq
         with mx.stream(self._stream):
             logits = self.model(y[None], cache=self.cache)[:, -1, :]
+            quantize(self.cache, self._kv)
             context = []
             if seq.processors:
                 if self._context is None:  # the cache's tokens before `y`, as the batch starts it

@@ -372,6 +372,12 @@ class Preset:
         return FAMILIES[self.family]
 
     @property
+    def tokenizer_key(self) -> tuple:
+        """What decides the tokenizer `make_model` writes: equal keys, equal tokenizers."""
+        fam = self.fam
+        return (FORMAT_VERSION, self.bpe_vocab, self.vocab_size, fam.specials, fam.text_tags, fam.bos)
+
+    @property
     def special_ids(self) -> dict[str, int]:
         """The family's special tokens take the top ids, in the family's order."""
         specials = self.fam.specials
@@ -563,6 +569,72 @@ def ensure_model(preset: str, seed: int = 0) -> Path:
     return make_model(preset, default_model_dir(preset, seed), seed=seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class SyntheticRef:
+    """What follows ``synthetic:`` in a model reference: ``PRESET[:SEED][?noise=X&layers=N&vocab=V]``.
+
+    With `noise` or `layers` it names a *variant* of the preset (`variants.py`): its weights each
+    multiplied by ``1 + noise * N(0, 1)``, its first `layers` layers kept; the tokenizer is the
+    preset's, so a variant is a draft model for it whose acceptance `noise` and `layers` control.
+    `vocab` makes the preset with another vocabulary size, and so another tokenizer: that of the
+    family's presets of that size (``synthetic:qwen2.5-0.5b-4bit?vocab=152064`` drafts for
+    ``synthetic:qwen2.5-7b-4bit``).
+    """
+
+    preset: str
+    seed: int = 0
+    noise: float = 0.0
+    layers: int | None = None
+    vocab: int | None = None
+
+    @property
+    def is_variant(self) -> bool:
+        return self.noise != 0.0 or self.layers is not None
+
+
+def parse_synthetic(ref: str) -> SyntheticRef:
+    """Parse ``PRESET[:SEED][?noise=X&layers=N]``; `ValueError` naming what is wrong."""
+    head, _, query = ref.partition("?")
+    preset, _, seed = head.partition(":")
+    try:
+        out = SyntheticRef(preset, int(seed or 0))
+        for item in filter(None, query.split("&")):
+            key, _, value = item.partition("=")
+            if key == "noise":
+                out = dataclasses.replace(out, noise=float(value))
+            elif key == "layers":
+                out = dataclasses.replace(out, layers=int(value))
+            elif key == "vocab":
+                out = dataclasses.replace(out, vocab=int(value))
+            else:
+                raise ValueError(f"unknown key {key!r} (noise, layers, vocab)")
+    except ValueError as exc:
+        raise ValueError(f"invalid synthetic model 'synthetic:{ref}': {exc}") from None
+    if (out.seed < 0 or not 0.0 <= out.noise <= 10.0 or (out.layers is not None and out.layers < 1)
+            or (out.vocab is not None and out.vocab < 256)):
+        raise ValueError(f"invalid synthetic model 'synthetic:{ref}': seed >= 0, noise in [0, 10], "
+                         "layers >= 1, vocab >= 256")
+    return out
+
+
+def synthetic_preset(ref: SyntheticRef) -> Preset:
+    """The preset `ref` is made from (its vocabulary replaced); KeyError for an unknown preset."""
+    spec = PRESETS[ref.preset]
+    return spec if ref.vocab is None else dataclasses.replace(spec, vocab_size=ref.vocab)
+
+
+def ensure_synthetic(ref: SyntheticRef) -> Path:
+    """The cached model directory `ref` names, made first if missing or stale."""
+    if ref.is_variant:
+        from .variants import ensure_variant  # MLX: drawn noise
+
+        return ensure_variant(ref)
+    out = default_model_dir(ref.preset, ref.seed)
+    if ref.vocab is not None:
+        out = out.with_name(f"{out.name}-v{ref.vocab}")
+    return make_model(ref.preset, out, seed=ref.seed, vocab_size=ref.vocab)
+
+
 def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """The mlx-lm model `make_model` would write for (preset, seed), unevaluated, and its config.
 
@@ -572,16 +644,21 @@ def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any
     return _build(get_preset(preset), seed)
 
 
-def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force: bool = False) -> Path:
+def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force: bool = False,
+               vocab_size: int | None = None) -> Path:
     """Write a loadable mlx-lm model directory at `out` and return it.
 
     The same (preset, seed) writes the same bytes. If `out` already holds this
     preset and seed (per its marker file) it is returned untouched unless
     `force`. A non-empty `out` that is not a synthetic model is only replaced
     with `force`. The directory is built beside `out` and renamed into place,
-    so readers never see a half-written model.
+    so readers never see a half-written model. `vocab_size` replaces the
+    preset's: presets of one family and one vocabulary size share a
+    tokenizer, so a small preset can be made a draft for a large one.
     """
     spec = get_preset(preset)
+    if vocab_size is not None:
+        spec = dataclasses.replace(spec, vocab_size=vocab_size)
     out = Path(out).expanduser()
     marker = _marker(preset, spec, seed)
     found = _read_marker(out)

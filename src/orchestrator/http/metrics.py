@@ -105,6 +105,13 @@ class Metrics:
         self.cached_tokens = Counter("mlxrt_cached_prompt_tokens",
                                      "Prompt tokens served from the workers' prefix caches.",
                                      ["model"], registry=r)
+        self.draft_tokens = Counter("mlxrt_draft_tokens",
+                                    "Tokens proposed by draft models (speculative decoding).", ["model"],
+                                    registry=r)
+        self.draft_accepted = Counter("mlxrt_draft_accepted_tokens",
+                                      "Drafted tokens the target accepted (the acceptance rate: "
+                                      "this over mlxrt_draft_tokens).",
+                                      ["model"], registry=r)
         self.decode_rate = Histogram("mlxrt_decode_tokens_per_second",
                                      "Decode rate of each generation, as the worker measured it.",
                                      ["model"], buckets=DECODE_BUCKETS_TPS, registry=r)

@@ -21,7 +21,7 @@ import json
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from importlib.metadata import version
 from typing import Any
 
@@ -87,6 +87,7 @@ OPTION_NAMES = {
     "seed": "options.seed",
     "stop": "options.stop",
     "logprobs": "top_logprobs",
+    "num_ctx": "options.num_ctx",
 }
 NS_PER_MS = 1_000_000
 
@@ -129,10 +130,10 @@ def parse_keep_alive(value: KeepAlive) -> float | None:
     return -seconds if text.startswith("-") else seconds
 
 
-def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
-    """The runtime's sampling keywords from Ollama `options`, Ollama's defaults filling the gaps."""
-    p = dict(DEFAULT_OPTIONS)
-    p["max_tokens"] = UNLIMITED_TOKENS
+def ollama_params(options: OllamaOptions | None, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime's sampling keywords from Ollama `options`; the gaps filled by `defaults` (the
+    model's default sampling, `--temp` and the like), else by Ollama's defaults."""
+    p = {**DEFAULT_OPTIONS, "max_tokens": UNLIMITED_TOKENS, **(defaults or {})}
     if options is None:
         return p
     o = options
@@ -147,6 +148,8 @@ def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
         p["max_tokens"] = o.num_predict
     if o.seed is not None and o.seed != -1:  # -1: a random seed
         p["seed"] = o.seed
+    if o.num_ctx is not None:
+        p["num_ctx"] = o.num_ctx
     if o.stop is not None:
         p["stop"] = [o.stop] if isinstance(o.stop, str) else o.stop
     if o.repeat_last_n is not None:
@@ -306,7 +309,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = generate_prompt(req)
-        params = constrain(ollama_params(req.options), req.format)
+        params = constrain(ollama_params(req.options, self.svc.sampling_defaults(model)), req.format)
         params.update(logprobs_param(req))
         chat = think_param(req)
         refuse_missing(self.svc, model, req.model, chat)
@@ -337,7 +340,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         prompt = chat_prompt(req)
-        params = constrain(ollama_params(req.options), req.format)
+        params = constrain(ollama_params(req.options, self.svc.sampling_defaults(model)), req.format)
         params.update(chat_params(req))
         params.update(logprobs_param(req))
         refuse_missing(self.svc, model, req.model, params)

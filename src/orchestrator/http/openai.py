@@ -16,7 +16,7 @@ worker by a grammar, on /v1/completions too (as vLLM does).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -82,23 +82,32 @@ def _unsupported(param: str, what: str) -> HttpError:
                      code="unsupported_parameter")
 
 
-def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: int) -> dict[str, Any]:
-    """The runtime's sampling keywords for `req`; refuses what mlxrt cannot honour."""
+def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: int,
+                    defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime's sampling keywords for `req`; refuses what mlxrt cannot honour.
+
+    What `req` leaves out comes from `defaults` (the model's default sampling, `--temp` and the
+    like), else from the API's own defaults.
+    """
+    d = defaults or {}
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name):
             raise _unsupported(name, "a non-zero value (use repetition_penalty)")
     if req.logit_bias:
         raise _unsupported("logit_bias", "a bias")
     params: dict[str, Any] = {
-        "max_tokens": default_max if max_tokens is None else max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        "max_tokens": d.get("max_tokens", default_max) if max_tokens is None else max_tokens,
+        "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
+        else req.temperature,
         "ignore_eos": req.ignore_eos,
     }
     if req.n != 1:  # checked by the runtime: 1 <= n <= MAX_CHOICES
         params["n"] = req.n
     for name in ("top_p", "seed", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
                  "stop_token_ids"):
-        value = getattr(req, name)
+        value = getattr(req, name, None)
+        if value is None:
+            value = d.get(name)
         if value is not None:
             params[name] = value
     if req.stop is not None:
@@ -225,7 +234,8 @@ class OpenAIApi:
         req: ChatCompletionRequest = await self.svc.read(request, _chat_decoder)
         model = self.svc.model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = constrain(sampling_params(req, max_tokens, UNLIMITED_TOKENS), req.response_format)
+        defaults = self.svc.sampling_defaults(model)
+        params = constrain(sampling_params(req, max_tokens, UNLIMITED_TOKENS, defaults), req.response_format)
         names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens", **CHAT_NAMES}
         prompt = chat_prompt(req)
@@ -253,8 +263,8 @@ class OpenAIApi:
         t0 = time.perf_counter()
         req: CompletionRequest = await self.svc.read(request, _completion_decoder)
         model = self.svc.model(req.model)
-        params = constrain(sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS),
-                           req.response_format)
+        params = constrain(sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                                           self.svc.sampling_defaults(model)), req.response_format)
         if req.logprobs is not None:
             params["logprobs"] = req.logprobs
         gen = await self.svc.start(request, "/v1/completions", completion_prompt(req), model, params, {}, t0)

@@ -230,6 +230,9 @@ class Generation:
         if stats is not None:
             m.prompt_tokens.labels(self.model).inc(stats.prompt_tokens)
             m.cached_tokens.labels(self.model).inc(stats.cached_tokens)
+            if stats.draft_tokens:
+                m.draft_tokens.labels(self.model).inc(stats.draft_tokens)
+                m.draft_accepted.labels(self.model).inc(stats.draft_accepted)
             if stats.decode_tps > 0:
                 m.decode_rate.labels(self.model).observe(stats.decode_tps)
         worker = {} if stats is None else {  # the worker's share of the TTFT: waiting, then prefill
@@ -268,6 +271,10 @@ class Service:
         """
         info = self.rt.model_info(name)
         return info.vocab_size if info is not None and info.vocab_size else self.facts(name).vocab_size
+
+    def sampling_defaults(self, name: str) -> dict[str, Any]:
+        """The model's default sampling (`--temp`, `--top-p`, ...): what a request leaves out."""
+        return self.rt.model_options(name).sampling_defaults()
 
     def capabilities(self, name: str) -> Capabilities | None:
         """What the model's workers reported they support; None until one has been ready."""

@@ -1,0 +1,128 @@
+"""Speculative decoding on the fast path: greedy ids unchanged, alone and handed over to the batch."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from mlxrt import ModelSpec, Runtime
+from mlxrt.ipc.protocol import EngineOptions
+from mlxrt.worker.engine import Engine
+from test_engine import Recorder, chat, gen, run_alone, run_batch
+
+#: Drafts of the tiny model: itself (every token accepted), a perturbed copy, a one-layer cut.
+DRAFTS = {"self": "synthetic:tiny", "noisy": "synthetic:tiny?noise=0.05", "cut": "synthetic:tiny?layers=1"}
+
+
+def requests() -> list:
+    """Greedy requests of every kind the fast path serves, some ending early."""
+    return [
+        gen(1, "Once upon a time, in a small village by the sea,", max_tokens=40),
+        gen(2, ids=[5, 17, 42, 99, 3, 250], max_tokens=33),
+        gen(3, messages=chat("What is the weather like?"), max_tokens=30),
+        gen(4, "The quick brown fox", max_tokens=30, repetition_penalty=1.3, repetition_context_size=16),
+        gen(5, "Hello", max_tokens=1),
+        gen(6, "Hello there", max_tokens=2),
+        gen(7, "A story", max_tokens=30, ignore_eos=False),
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model) -> Engine:
+    return Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> dict[int, list[int]]:
+    """Each request's ids without a draft."""
+    return {r.id: run_alone(plain, r)[0] for r in requests()}
+
+
+@pytest.fixture(scope="module", params=sorted(DRAFTS))
+def drafted(request, tiny_model) -> tuple[str, Engine]:
+    """An engine drafting with each draft (prefix cache on: the draft must prefill what it skips)."""
+    return request.param, Engine(tiny_model, options=EngineOptions(draft_model=DRAFTS[request.param]))
+
+
+def test_greedy_ids_are_unchanged_by_a_draft(drafted, reference):
+    """Alone, a request gets its own greedy ids with any draft; the draft's stats say how many it
+    proposed and how many were taken: all of them for the target itself, some for the others."""
+    name, engine = drafted
+    drafted_total = accepted_total = 0
+    for req in requests():
+        engine.clear_cache()
+        ids, st = run_alone(engine, req)
+        assert ids == reference[req.id], (name, req.id)
+        again, st2 = run_alone(engine, req)  # from the prefix cache: the draft prefills it all
+        assert again == ids and st2.cached_tokens > 0, (name, req.id)
+        drafted_total += st.draft_tokens
+        accepted_total += st.draft_accepted
+        assert st.draft_accepted <= st.draft_tokens
+    assert drafted_total > 0
+    rate = accepted_total / drafted_total
+    assert rate == 1.0 if name == "self" else 0.0 < rate < 1.0, (name, rate)
+
+
+@pytest.mark.parametrize("after", [1, 2, 3, 5, 9])
+def test_greedy_ids_are_unchanged_when_a_second_request_arrives(drafted, reference, after):
+    """A second request arrives `after` steps into a drafted one (prefill, between rounds, inside
+    a round's accepted tokens): the first is handed over to the batch, both keep their ids."""
+    name, engine = drafted
+    first, second = requests()[0], requests()[2]
+    engine.clear_cache()
+    rec = Recorder()
+    engine.submit(first, rec)
+    for _ in range(after):
+        engine.step()
+    assert engine._solo is not None
+    engine.submit(second, rec)
+    while engine.busy:
+        engine.step()
+    assert not rec.errors
+    assert rec.ids == {1: reference[1], 3: reference[3]}, (name, after)
+    assert rec.stats[3].draft_tokens == 0  # it ran in the batch
+
+
+def test_constrained_request_is_not_drafted(tiny_model, plain):
+    """A request with a grammar decodes one token at a time (a rejected draft would move its
+    matcher): no draft tokens, and the reply the engine gives without a draft."""
+    from mlxrt.orchestrator.structured import json_schema_grammar
+
+    engine = Engine(tiny_model, options=EngineOptions(draft_model=DRAFTS["self"], prompt_cache_bytes=0))
+    req = gen(1, "A JSON object:", max_tokens=40, ignore_eos=False,
+              grammar=json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    ids, st = run_alone(engine, req)
+    assert st.draft_tokens == 0
+    assert ids == run_alone(plain, req)[0]
+
+
+def test_sampled_requests_with_a_draft(tiny_model):
+    """A seeded sampled request with a draft is reproducible and ends like any other."""
+    engine = Engine(tiny_model, options=EngineOptions(draft_model=DRAFTS["noisy"], prompt_cache_bytes=0))
+    req = gen(1, "Once upon a time", max_tokens=30, temperature=0.8, top_p=0.9, seed=11)
+    first, st = run_alone(engine, req)
+    assert run_alone(engine, req)[0] == first and len(first) == 30 and st.draft_tokens > 0
+    rec = run_batch(engine, [gen(2, "Hi", max_tokens=30, temperature=0.8), gen(3, "Yo", max_tokens=5)])
+    assert not rec.errors and len(rec.ids[2]) == 30
+
+
+def test_worker_drafts_and_reports_acceptance(tiny_model, reference):
+    """Through a worker: the draft changes no id, the stats carry its counts, and /metrics counts the
+    drafted and accepted tokens per model."""
+    from test_http import running
+
+    with Runtime(model=ModelSpec(tiny_model, draft_model=DRAFTS["noisy"]), transport="stdio") as rt:
+        c = rt.generate("Once upon a time, in a small village by the sea,", max_tokens=40, ignore_eos=True)
+        assert c.tokens == reference[1]
+        assert 0 < c.stats.draft_accepted < c.stats.draft_tokens
+        assert c.stats.acceptance_rate == c.stats.draft_accepted / c.stats.draft_tokens
+    with running({"tiny": tiny_model}, engine=EngineOptions(draft_model=DRAFTS["self"])) as srv:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0,
+                "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        metrics = httpx.get(srv.url + "/metrics").text
+    drafted = _sample(metrics, 'mlxrt_draft_tokens_total{model="tiny"}')
+    assert drafted > 0 and _sample(metrics, 'mlxrt_draft_accepted_tokens_total{model="tiny"}') == drafted
+
+
+def _sample(metrics: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
