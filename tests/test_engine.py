@@ -31,12 +31,12 @@ class Recorder:
         self.started_ids.append(req_id)
         self.events.append(("started", req_id))
 
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, **extra) -> None:
         self.ids.setdefault(req_id, []).append(token)
         self.text[req_id] = self.text.get(req_id, "") + text
         self.events.append(("token", req_id))
 
-    def done(self, req_id: int, stats, text: str, reasoning: str = "", calls=None) -> None:
+    def done(self, req_id: int, stats, text: str, reasoning: str = "", calls=None, **extra) -> None:
         self.text[req_id] = self.text.get(req_id, "") + text
         self.stats[req_id] = stats
 

@@ -95,6 +95,16 @@ def test_constrained_request_is_not_drafted(tiny_model, plain):
     assert ids == run_alone(plain, req)[0]
 
 
+def test_request_asking_for_logprobs_is_not_drafted(tiny_model, plain):
+    """Log-probabilities come from the plain step's distribution: such a request is not drafted,
+    and gets the ids the engine gives without a draft."""
+    engine = Engine(tiny_model, options=EngineOptions(draft_model=DRAFTS["self"], prompt_cache_bytes=0))
+    req = gen(1, "Once upon a time", max_tokens=12, logprobs=2)
+    ids, st = run_alone(engine, req)
+    assert st.draft_tokens == 0
+    assert ids == run_alone(plain, req)[0]
+
+
 def test_sampled_requests_with_a_draft(tiny_model):
     """A seeded sampled request with a draft is reproducible and ends like any other."""
     engine = Engine(tiny_model, options=EngineOptions(draft_model=DRAFTS["noisy"], prompt_cache_bytes=0))
