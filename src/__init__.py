@@ -18,7 +18,8 @@ from .orchestrator.errors import (
     RequestError,
     WorkerDied,
 )
-from .orchestrator.handle import WorkerInfo, WorkerMemory
+from .orchestrator.handle import RankInfo, WorkerInfo, WorkerMemory
+from .orchestrator.launch import Group
 from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, Runtime, Stream
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EngineOptions",
     "Grammar",
+    "Group",
     "AsyncRuntime",
     "AsyncStream",
     "ChannelError",
@@ -38,6 +40,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "RequestError",
+    "RankInfo",
     "Runtime",
     "SamplingParams",
     "Stats",

@@ -40,6 +40,12 @@ together: every chat is inserted in segments split at the end of its system
 prompt, the first one to need an uncached system prompt leads, and the
 others that need the same one wait in the queue until the leader's
 checkpoint lands, then start from it (`_leaders`).
+
+In a worker group (`group.py`) every rank runs its own `Engine` over its shard of
+the model, fed the same calls in the same order by rank 0, so they step in
+lockstep: the engine takes the group for loading (mlx-lm's `sharded_load`),
+for its prefix cache's byte count, and to stop the whole group when a step
+fails (a rank whose step failed can no longer be trusted to agree with the others).
 """
 
 from __future__ import annotations
@@ -118,20 +124,23 @@ class Engine:
         *,
         cache_limit_bytes: int | None = None,
         options: EngineOptions | None = None,
+        group=None,
     ) -> None:
+        """`group`: this process's rank of a worker group (`group.Group`), or None."""
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
         self.options = (options or EngineOptions()).validate()
         path = resolve_model_path(model)
-        self.model, self.tokenizer, config = load(path, return_config=True)
+        self.group = group
+        self.model, self.tokenizer, config = group.load(path) if group else load(path, return_config=True)
         self.path = path
         text = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM's fields
         self.context_length = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.trimmable = _always_trimmable(make_prompt_cache(self.model))
         self.capabilities = capabilities(self.tokenizer)
-        self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
+        self.prefix_cache = self._new_prefix_cache()
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self._batch = self._new_batch()
@@ -262,8 +271,12 @@ class Engine:
                 self.solo_enabled = solo
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
-        self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
+        self.prefix_cache = self._new_prefix_cache()  # warm-up is no hit
         self.warmup_s = time.perf_counter() - t0
+
+    def _new_prefix_cache(self) -> PrefixCache:
+        total = self.group.total if self.group is not None and self.group.size > 1 else None
+        return PrefixCache(self.options.prompt_cache_bytes, total)
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
         """A prompt two prefill steps and a bit long, within the context.
@@ -450,6 +463,8 @@ class Engine:
                 return
             token, mlx_reason = solo.decode(lookahead=lookahead)
         except Exception as exc:
+            if self.group is not None:
+                self.group.abort(exc)
             reseed()
             self._solo = None
             error = BatchStepError(f"single-stream step failed: {exc!r}")
@@ -562,7 +577,12 @@ class Engine:
             seq.listener.done(seq.req.id, seq.stats(reason), parts.content)
 
     def _fail_batch(self, exc: Exception) -> None:
-        """A step raised: the batch's caches can no longer be trusted; fail its requests, rebuild it."""
+        """A step raised: the batch's caches can no longer be trusted; fail its requests, rebuild it.
+
+        In a group the whole group stops instead (the orchestrator's `WorkerDied`).
+        """
+        if self.group is not None:
+            self.group.abort(exc)
         error = BatchStepError(f"batch step failed: {exc!r}")
         error.__cause__ = exc
         running, self._running = list(self._running.values()), {}
