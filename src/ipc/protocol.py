@@ -232,6 +232,8 @@ GROUP_BACKENDS = ("auto", "ring", "jaccl", "nccl")
 #: has `shard`, else pipeline parallel).
 SHARDINGS = ("auto", "tensor", "pipeline")
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+#: Connecting waits for every rank's process to start (and ssh to log in): never less than this.
+MIN_CONNECT_TIMEOUT_S = 60.0
 #: An idle group's rank 0 still steps the group this often, so a rank stuck waiting is told apart
 #: from a group with nothing to do.
 DEFAULT_HEARTBEAT_S = 1.0
@@ -254,9 +256,11 @@ class GroupRank(msgspec.Struct, kw_only=True):
     sharding: str = "auto"
     env: dict[str, str] = {}
     files: dict[str, str] = {}
-    #: Longest wait of one rank for the others (connecting, or one engine step); then it exits.
+    #: Longest wait of one rank for the others (one engine step); then it exits.
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    #: Longest wait for the other ranks to connect, when the group starts.
+    connect_timeout_s: float = MIN_CONNECT_TIMEOUT_S
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):

@@ -52,6 +52,7 @@ from ..ipc.protocol import (
     DEFAULT_HEARTBEAT_S,
     EXIT_COLLECTIVE_TIMEOUT,
     EXIT_GROUP_FAILED,
+    MIN_CONNECT_TIMEOUT_S,
     PROTOCOL_VERSION,
     Fatal,
     GroupRank,
@@ -115,7 +116,8 @@ class GroupHandle(WorkerHandle):
     def _rank_spec(self, spec: RankLaunch) -> GroupRank:
         return GroupRank(rank=spec.rank, size=self.plan.size, backend=self.plan.backend,
                          sharding=self.plan.sharding, env=spec.env, files=spec.files,
-                         collective_timeout_s=self._timeouts.collective_s, heartbeat_s=DEFAULT_HEARTBEAT_S)
+                         collective_timeout_s=self._timeouts.collective_s, heartbeat_s=DEFAULT_HEARTBEAT_S,
+                         connect_timeout_s=max(self._timeouts.collective_s, MIN_CONNECT_TIMEOUT_S))
 
     def _start_rank(self, spec: RankLaunch, warmup_tokens: int, cache_limit_bytes: int | None) -> _Rank:
         proc = subprocess.Popen(
@@ -178,8 +180,9 @@ class GroupHandle(WorkerHandle):
         rank.state = "exited"
         if self._ending:
             return
-        why = (f"failed: {rank.fatal}" if rank.fatal
-               else f"{_exit_text(code, self._timeouts.collective_s)}: {_tail(rank.tail)}")
+        why = f"failed: {rank.fatal}" if rank.fatal else _exit_text(code, self._timeouts.collective_s)
+        if not rank.fatal and code not in (None, EXIT_COLLECTIVE_TIMEOUT, EXIT_GROUP_FAILED) and code > 0:
+            why += f": {_tail(rank.tail)}"  # its own words (an ssh error, a crash)
         reason = WorkerDied(f"rank {rank.rank} of worker {self.name} (pid {rank.pid} on {rank.host}) {why}; "
                             "the group was stopped")
         with self._lock:

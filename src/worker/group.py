@@ -27,8 +27,9 @@ same tokens, and the prefix cache evicts by the group's bytes (`total`).
 How a rank ends, and what the orchestrator sees (`orchestrator/group.py`):
 
 - a `Step` with ``stop`` (rank 0 got Shutdown, or lost the orchestrator): all exit 0;
-- a wait on the others longer than `collective_timeout_s` (connecting, or one
-  engine step): the `Watchdog` ends the rank with `EXIT_COLLECTIVE_TIMEOUT`;
+- a wait on the others longer than `collective_timeout_s` (one engine step),
+  or `connect_timeout_s` (joining): the `Watchdog` ends the rank with
+  `EXIT_COLLECTIVE_TIMEOUT`;
 - a failed collective (a peer is gone) or a failed engine step: `abort`,
   exit `EXIT_GROUP_FAILED`; a step that failed on one rank may not have
   failed on the others, so the ranks can no longer be trusted to agree;
@@ -80,21 +81,24 @@ class GroupError(RuntimeError):
 
 
 class Watchdog:
-    """Ends the process when one wait on the other ranks lasts longer than `timeout_s`.
+    """Ends the process when one wait on the other ranks lasts longer than its limit
+    (`timeout_s`, or the one `arm` was given).
 
     A rank blocked in a collective cannot be interrupted from Python; exiting is what
     frees it, and tells the orchestrator (its pipe closes).
     """
 
-    def __init__(self, timeout_s: float, expire: Callable[[str], None]) -> None:
+    def __init__(self, timeout_s: float, expire: Callable[[str, float], None]) -> None:
         self.timeout_s = timeout_s
         self._expire = expire
         self._since: float | None = None
         self._what = ""
+        self._limit = timeout_s
         threading.Thread(target=self._watch, name="mlxrt-watchdog", daemon=True).start()
 
-    def arm(self, what: str) -> None:
+    def arm(self, what: str, timeout_s: float | None = None) -> None:
         self._what = what
+        self._limit = self.timeout_s if timeout_s is None else timeout_s
         self._since = time.monotonic()
 
     def disarm(self) -> None:
@@ -105,8 +109,8 @@ class Watchdog:
         while True:
             time.sleep(tick)
             since = self._since
-            if since is not None and time.monotonic() - since > self.timeout_s:
-                self._expire(self._what)
+            if since is not None and time.monotonic() - since > self._limit:
+                self._expire(self._what, self._limit)
 
 
 class Group:
@@ -223,10 +227,10 @@ class _Expiry:
     def __init__(self, spec: GroupRank, log, tx: Sender | None) -> None:
         self.spec, self.log, self.tx = spec, log, tx
 
-    def __call__(self, what: str) -> None:
+    def __call__(self, what: str, limit_s: float) -> None:
         spec = self.spec
-        why = (f"rank {spec.rank} of {spec.size} waited more than {spec.collective_timeout_s:g} s "
-               f"on the other ranks ({what}; set MLXRT_COLLECTIVE_TIMEOUT_S)")
+        why = (f"rank {spec.rank} of {spec.size} waited more than {limit_s:g} s on the other ranks "
+               f"({what}; set MLXRT_COLLECTIVE_TIMEOUT_S)")
         self.log.error("group.collective_timeout", reason=why)
         tx = self.tx
         if tx is not None:
@@ -339,7 +343,7 @@ def join(spec: GroupRank, tx: Sender, log) -> Group:
         backend = resolve_backend(spec.backend)
         expiry = _Expiry(spec, log, tx)
         dog = Watchdog(spec.collective_timeout_s, expiry)
-        dog.arm(f"connecting over {backend}")
+        dog.arm(f"connecting over {backend}", spec.connect_timeout_s)
         try:
             world = mx.distributed.init(strict=True, backend=backend)
         except RuntimeError as exc:
@@ -391,8 +395,13 @@ def _apply_env(spec: GroupRank) -> list[str]:
 
 
 def plan_sharding(path: str, sharding: str, size: int) -> str:
-    """"tensor" or "pipeline" for this model over `size` ranks, as `sharded_load` would choose for
-    "auto"; `GroupError` naming the reason when the model cannot be split that way."""
+    """"tensor" or "pipeline" for this model over `size` ranks; `GroupError` naming the reason when
+    the model cannot be split that way.
+
+    "auto" is `sharded_load`'s choice (tensor parallel where mlx-lm's model has `shard`, else
+    pipeline), except that a model whose attention heads do not divide among the ranks goes
+    to the pipeline where it can.
+    """
     import json
 
     from mlx_lm.utils import load_model
@@ -405,22 +414,22 @@ def plan_sharding(path: str, sharding: str, size: int) -> str:
     model, _ = load_model(Path(path), lazy=True, strict=False)  # no weight is read: as sharded_load does
     tensor_ok = hasattr(model, "shard")
     pipeline_ok = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    text = {**config.get("text_config", {}), **config}
+    uneven = next((f"{f}={text[f]}" for f in ("num_attention_heads", "num_key_value_heads")
+                   if isinstance(text.get(f), int) and text[f] % size), None)
     if sharding == "auto":
         if not (tensor_ok or pipeline_ok):
             raise GroupError(f"model {path} ({kind}) cannot be sharded: mlx-lm's {kind} has neither "
                              "tensor parallelism (`shard`) nor pipeline parallelism (`pipeline`)")
-        sharding = "tensor" if tensor_ok else "pipeline"
+        sharding = "tensor" if tensor_ok and not (uneven and pipeline_ok) else "pipeline"
     if sharding == "tensor":
         if not tensor_ok:
             hint = "; try sharding='pipeline'" if pipeline_ok else ""
             raise GroupError(f"model {path} ({kind}) cannot be sharded by tensor parallelism: "
                              f"mlx-lm's {kind} has no `shard`{hint}")
-        text = {**config.get("text_config", {}), **config}
-        for field in ("num_attention_heads", "num_key_value_heads"):
-            heads = text.get(field)
-            if isinstance(heads, int) and heads % size:
-                raise GroupError(f"model {path} cannot be sharded over {size} ranks by tensor "
-                                 f"parallelism: {field}={heads} is not a multiple of {size}")
+        if uneven:
+            raise GroupError(f"model {path} cannot be sharded over {size} ranks by tensor "
+                             f"parallelism: {uneven} is not a multiple of {size}")
         return "tensor"
     if not pipeline_ok:
         hint = "; try sharding='tensor'" if tensor_ok else ""
