@@ -17,6 +17,9 @@ from conftest import assert_stopped
 from mlxrt import Group, ModelLoadError, Runtime, Supervision, Timeouts, WorkerDied
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.orchestrator.launch import GroupPlan, HostEntry
+from mlxrt.orchestrator.runtime import build_request
+from mlxrt.worker.engine import Engine
+from test_engine import run_batch
 from test_faults import run_with_deadline
 
 REQUESTS = [
@@ -44,9 +47,10 @@ def generate_all(rt):
 
 @pytest.fixture(scope="module")
 def single(tiny_model):
-    """Each request's ids from one worker process: the reference."""
-    with Runtime(model=tiny_model, transport="stdio") as rt:
-        return generate_all(rt)
+    """Each request's ids from one process (the worker's engine, in-process): the reference."""
+    engine = Engine(tiny_model)
+    reqs = [build_request(i, p, {**kw, "ignore_eos": True}) for i, (p, kw) in enumerate(REQUESTS, 1)]
+    return [run_batch(engine, [r]).ids[r.id] for r in reqs]
 
 
 @pytest.fixture(scope="module", params=["tensor", "pipeline"])
@@ -108,33 +112,30 @@ def _streams_fail(streams, match: str) -> None:
                 pass
 
 
-def test_sigkill_of_rank_1_fails_every_request_and_restarts_the_group(tiny_model):
-    """SIGKILL of rank 1 mid-stream: WorkerDied for every stream, rank 0 stopped, a new group serves."""
-    with Runtime(model=tiny_model, ranks=2, transport="ring",
-                 supervision=Supervision(backoff_initial_s=0.1)) as rt:
-        before = [r.pid for r in rt.workers[0].ranks]
-        streams = [iter(rt.stream(f"Stream {i}", max_tokens=4000, ignore_eos=True)) for i in range(3)]
-        for chunks in streams:
-            next(chunks)
-        os.kill(before[1], signal.SIGKILL)
-        run_with_deadline(lambda: _streams_fail(streams, "rank 1 .* was killed by SIGKILL"), 30)
-        assert_stopped(before)
-        after = [r.pid for r in _wait_ready(rt, restarts=1).ranks]
-        assert not set(after) & set(before)
-        assert rt.generate("After the restart", max_tokens=4).tokens
-    assert_stopped(after)
-
-
-def test_a_stalled_rank_is_a_collective_timeout(tiny_model):
-    """A rank that stops answering (SIGSTOP) ends the group after the collective timeout, named."""
-    with Runtime(model=tiny_model, ranks=2, transport="stdio", timeouts=Timeouts(collective_s=2),
-                 supervision=Supervision(restart=False)) as rt:
-        pids = [r.pid for r in rt.workers[0].ranks]
-        chunks = iter(rt.stream("Stalled", max_tokens=4000, ignore_eos=True))
+def _streams_of(rt, n: int) -> list:
+    streams = [iter(rt.stream(f"Stream {i}", max_tokens=4000, ignore_eos=True)) for i in range(n)]
+    for chunks in streams:
         next(chunks)
-        os.kill(pids[1], signal.SIGSTOP)
-        run_with_deadline(lambda: _streams_fail([chunks], "MLXRT_COLLECTIVE_TIMEOUT_S"), 60)
-        assert_stopped(pids)
+    return streams
+
+
+def test_a_rank_killed_or_stalled_mid_stream_ends_the_group_as_one(tiny_model):
+    """Rank 1 SIGKILLed, then (in the restarted group) SIGSTOPped mid-stream: WorkerDied for every
+    stream (the stall named as a collective timeout), every rank stopped, the group restarted
+    after the first."""
+    with Runtime(model=tiny_model, ranks=2, transport="ring", timeouts=Timeouts(collective_s=3),
+                 supervision=Supervision(backoff_initial_s=0.1)) as rt:
+        first = [r.pid for r in rt.workers[0].ranks]
+        streams = _streams_of(rt, 3)
+        os.kill(first[1], signal.SIGKILL)
+        run_with_deadline(lambda: _streams_fail(streams, "rank 1 .* was killed by SIGKILL"), 30)
+        assert_stopped(first)
+        second = [r.pid for r in _wait_ready(rt, restarts=1).ranks]
+        assert not set(second) & set(first)
+        streams = _streams_of(rt, 2)
+        os.kill(second[1], signal.SIGSTOP)
+        run_with_deadline(lambda: _streams_fail(streams, "MLXRT_COLLECTIVE_TIMEOUT_S"), 60)
+        assert_stopped(second)
 
 
 def _host_file(tmp_path, content) -> str:
@@ -191,15 +192,11 @@ def test_a_backend_this_mlx_lacks_fails_in_the_ranks(tiny_model):
                                           supervision=Supervision(restart=False)), 60)
 
 
-@pytest.mark.parametrize("model, sharding, message", [
-    ("synthetic:tiny-llama", "pipeline", "cannot be sharded by pipeline parallelism.*try sharding='tensor'"),
-    ("synthetic:tiny-gemma3", "auto", "cannot be sharded: mlx-lm's gemma3_text has neither"),
-])
-def test_a_model_that_cannot_be_sharded_so_is_a_clear_error(model, sharding, message):
-    """A model mlx-lm cannot split the way asked: ModelLoadError saying why; no rank is left."""
-    with pytest.raises(ModelLoadError, match=message):
-        run_with_deadline(lambda: Runtime(model=model, ranks=2, sharding=sharding, transport="stdio",
-                                          supervision=Supervision(restart=False)), 120)
+def test_a_model_that_cannot_be_sharded_so_is_a_clear_error():
+    """A model mlx-lm cannot split the way asked (Llama has no pipeline): ModelLoadError saying why."""
+    with pytest.raises(ModelLoadError, match="cannot be sharded by pipeline parallelism.*sharding='tensor'"):
+        run_with_deadline(lambda: Runtime(model="synthetic:tiny-llama", ranks=2, sharding="pipeline",
+                                          transport="stdio", supervision=Supervision(restart=False)), 120)
 
 
 def test_the_plan_gives_each_rank_what_mlx_launch_would():
