@@ -216,3 +216,13 @@ def test_the_plan_gives_each_rank_what_mlx_launch_would():
                        hosts=[HostEntry(**LOCAL), HostEntry(ssh="mac2", ips=["10.0.0.2"])], envs={},
                        port=None, python="/opt/py/bin/python")
     assert remote.argv("mac2", ["unused"])[-2:] == ["mac2", "/opt/py/bin/python -m mlxrt.worker"]
+
+
+def test_cli_flags_make_the_group():
+    """mlxrt's --ranks, --backend, --hosts and --pipeline give the runtime that Group; none, no group."""
+    from mlxrt.cli import _group, build_parser
+
+    argv = ["serve", "-m", "x", "--ranks", "2", "--backend", "ring", "--hosts", "h.json", "--pipeline"]
+    assert _group(build_parser().parse_args(argv)) == Group(ranks=2, backend="ring", hosts="h.json",
+                                                            sharding="pipeline")
+    assert _group(build_parser().parse_args(["serve", "-m", "x"])) is None
