@@ -15,10 +15,11 @@ Two parts, both through real processes:
   process's after some tokens, as `mlx_lm`'s own tensor parallelism does).
 - **collectives**: ``--probe-ranks`` processes joined exactly as a group's
   ranks are (the orchestrator's plan, the worker's `join`), timing what a
-  group adds per engine step, `Group.share` of an empty step (every decode
-  step of a running batch) and of a step carrying a new request, and what
-  tensor parallelism does twice per layer and token: an all_sum of one
-  token's hidden state (float16, the model's hidden size).
+  group adds per engine step, `Lockstep.exchange` of an empty step (every
+  decode step of a running batch) and of a step carrying a new request, a
+  run of them to the end of the stream, and what tensor parallelism does
+  twice per layer and token: an all_sum of one token's hidden state
+  (float16, the model's hidden size), waited for.
 
 Tables on stdout, progress on stderr, the last line of stdout one JSON document.
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -144,9 +144,10 @@ def probe_rank(spec_json: str, hidden: int) -> None:
     import mlx.core as mx
     import msgspec
     import structlog
+    from mlx_lm.generate import generation_stream
     from mlxrt import logs
     from mlxrt.ipc.protocol import Generate, GroupRank, SamplingParams, Step
-    from mlxrt.worker.group import join
+    from mlxrt.worker.group import Lockstep, join
 
     logs.configure(level="warning")  # stderr: stdout carries the result
     spec = msgspec.convert(json.loads(spec_json), GroupRank)
@@ -154,26 +155,31 @@ def probe_rank(spec_json: str, hidden: int) -> None:
     lead = group.rank == 0
     new = Step(generate=[Generate(id=1, params=SamplingParams(max_tokens=256), prompt_ids=list(range(512)))])
     x = mx.zeros((1, hidden), dtype=mx.float16)
+    lockstep = Lockstep(group)
 
-    def timed(fn) -> dict:
+    def per_step(fn) -> float:
+        """Microseconds per call, a run of them to the end of the model's stream (as steps follow
+        one another), after a few unmeasured."""
         for _ in range(10):
             fn()
-        us = []
+        mx.synchronize(generation_stream)
+        t0 = time.perf_counter()
         for _ in range(PROBE_ITERATIONS):
-            t0 = time.perf_counter()
             fn()
-            us.append((time.perf_counter() - t0) * 1e6)
-        return {"median": statistics.median(us), "p90": sorted(us)[int(0.9 * len(us))], "n": len(us)}
+        mx.synchronize(generation_stream)
+        return (time.perf_counter() - t0) * 1e6 / PROBE_ITERATIONS
 
     result = {
         "ranks": group.size,
         "backend": group.backend,
-        "share_empty_us": timed(lambda: group.share(None)),
-        "share_new_request_us": timed(lambda: group.share(new if lead else None)),
-        "all_sum_hidden_us": timed(lambda: mx.eval(group._all_sum(x))),
+        "exchange_empty_us": per_step(lambda: lockstep.exchange(None)),
+        "exchange_new_request_us": per_step(lambda: lockstep.exchange(new if lead else None)),
+        "all_sum_hidden_us": per_step(lambda: mx.eval(group._all_sum(x))),
         "hidden": hidden,
         "step_frame_bytes": len(msgspec.msgpack.encode(new)),
     }
+    lockstep.exchange(Step(stop=True) if lead else None)
+    lockstep.exchange(None)  # both ranks see the stop: neither is left waiting
     if lead:
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -201,14 +207,12 @@ def report(args, result: dict) -> None:
               f"{_fmt(s['batch_tps']):>24}  {ids}")
     p = result.get("collectives")
     if p:
-        print(f"collectives, {p['ranks']} ranks over {p['backend']}, {PROBE_ITERATIONS} each, median/p90 us:")
-        print(f"  step shared, empty (each decode step)      {p['share_empty_us']['median']:8.1f} / "
-              f"{p['share_empty_us']['p90']:.1f}")
-        print(f"  step shared, a new 512-token request       {p['share_new_request_us']['median']:8.1f} / "
-              f"{p['share_new_request_us']['p90']:.1f}  ({p['step_frame_bytes']} bytes)")
-        hidden = p["all_sum_hidden_us"]
-        print(f"  all_sum of one token's hidden ({p['hidden']} fp16)  {hidden['median']:8.1f} / "
-              f"{hidden['p90']:.1f}  (tensor parallel: 2 per layer and token)")
+        print(f"collectives, {p['ranks']} ranks over {p['backend']}, {PROBE_ITERATIONS} in a row, us each:")
+        print(f"  a step shared, empty (each decode step)        {p['exchange_empty_us']:8.1f}")
+        print(f"  a step shared with a new 512-token request     {p['exchange_new_request_us']:8.1f}  "
+              f"({p['step_frame_bytes']} bytes)")
+        print(f"  all_sum of one token's hidden ({p['hidden']} fp16)    {p['all_sum_hidden_us']:8.1f}  "
+              "(waited for; tensor parallel: 2 per layer and token)")
 
 
 def main(argv: list[str] | None = None) -> dict | None:

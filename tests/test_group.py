@@ -31,6 +31,8 @@ REQUESTS = [
     ("A seeded one", {"max_tokens": 16, "temperature": 0.9, "seed": 5}),
     ("With a penalty",
      {"max_tokens": 16, "repetition_penalty": 1.3, "top_k": 8, "temperature": 0.7, "seed": 1}),
+    # A frame longer than the lockstep's head: its tail takes a second collective.
+    ("A long frame", {"max_tokens": 12, "stop": ["words the tiny model never writes " * 200]}),
 ]
 #: A prefix cache of a few entries: the ranks must agree on every eviction.
 SMALL_CACHE = EngineOptions(decode_concurrency=8, prompt_cache_bytes=256 << 10)

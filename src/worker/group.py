@@ -1,25 +1,29 @@
-"""One rank of a worker group: a model sharded over N processes with `mx.distributed`, in lockstep.
+r"""One rank of a worker group: a model sharded over N processes with `mx.distributed`, in lockstep.
 
 ::
 
     orchestrator            rank 0 (main.py + LeaderServer)              rank k > 0 (follow)
     ------------            -------------------------------              -------------------
-    Generate/Cancel  --->   Server queue; before each engine step:
-                            Step{generate, cancel, clear_cache, stop} --all_sum--> the same Step
-                            submit, cancel, Engine.step()                 submit, cancel, Engine.step()
-                                 \\________ the model's own collectives (tensor or pipeline) ________/
+    Generate/Cancel  --->   Server queue; each iteration:                each iteration:
+                            Step{generate, cancel, clear_cache, stop}
+                            --all_sum (Lockstep.exchange)-->             the step rank 0 shared
+                            apply the step shared last iteration,        last iteration: submit,
+                            Engine.step()                                cancel, Engine.step()
+                                 \________ the model's own collectives (tensor or pipeline) ________/
     <--- Tokens/Done  ---   rank 0's listener                            output dropped
 
 Every rank loads its shard with mlx-lm's `sharded_load` (tensor parallel where
 the model has `shard`, else pipeline) and runs an `Engine` of its own. Rank 0
-alone talks to the orchestrator, exactly as a single worker does; before each
-of its engine steps it hands what it is about to do to the other ranks, which
-do the same, so every rank makes the same model calls in the same order and
-the model's collectives meet. This is what `mlx_lm.server` does for
-distributed serving (`ResponseGenerator._share_object`), with msgspec frames
-instead of pickle and one collective per step rather than two: the step's
-frame rides in a fixed-size head (`HEAD_BYTES`), a second all_sum only when
-it is longer. An idle rank 0 still sends an empty step every `heartbeat_s`.
+alone talks to the orchestrator, exactly as a single worker does; each
+iteration it hands what its engine is to do to the other ranks, and every
+rank, rank 0 included, applies it at the next iteration, so every rank makes
+the same model calls in the same order and the model's collectives meet.
+This is what `mlx_lm.server` does for distributed serving
+(`ResponseGenerator._share_object`), with msgspec frames instead of pickle,
+one collective per step rather than two (the frame rides in a fixed-size
+head, `HEAD_BYTES`; a longer one takes a second), on the model's own stream,
+and one iteration late, so that no rank waits for it (`Lockstep`). An idle
+rank 0 still shares an empty step every `heartbeat_s`.
 
 The ranks agree on one random seed when they join, so their samplers draw the
 same tokens, and the prefix cache evicts by the group's bytes (`total`).
@@ -69,8 +73,9 @@ from ..ipc.protocol import (
 )
 from .main import Server
 
-#: A step's frame up to this size (with its 4-byte length) costs one all_sum: every decode step's.
-HEAD_BYTES = 512
+#: A step's frame up to this size (with its 4-byte length) costs one all_sum: every decode step's,
+#: and a new request's unless its prompt is long.
+HEAD_BYTES = 4096
 #: A rank whose orchestrator is gone waits this long for rank 0's stop before it exits alone.
 EOF_GRACE_S = 5.0
 _EMPTY = Step()
@@ -149,30 +154,6 @@ class Group:
         sys.stderr.flush()
         os._exit(EXIT_GROUP_FAILED)
 
-    # -- the step broadcast ---------------------------------------------------------------
-    def share(self, step: Step | None) -> Step:
-        """Rank 0: send `step` (None: nothing to do) to every rank; the others: receive it."""
-        import mlx.core as mx
-
-        lead = self.rank == 0
-        payload = self._codec.encode(step) if lead and step is not None else b""
-        room = HEAD_BYTES - 4
-        head = np.zeros(HEAD_BYTES, np.uint8)
-        if lead:
-            head[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), np.uint8)
-            part = payload[:room]
-            head[4 : 4 + len(part)] = np.frombuffer(part, np.uint8)
-        got = np.array(self._all_sum(mx.array(head)))
-        n = int.from_bytes(got[:4].tobytes(), "little")
-        if n <= room and not lead:
-            return self._codec.decode(got[4 : 4 + n].tobytes()) if n else _EMPTY
-        if n > room:  # the rest of a long step: a second all_sum
-            tail = np.frombuffer(payload[room:], np.uint8) if lead else np.zeros(n - room, np.uint8)
-            rest = np.array(self._all_sum(mx.array(tail)))
-            if not lead:
-                return self._codec.decode(got[4:].tobytes() + rest.tobytes())
-        return step or _EMPTY
-
     def agree_seed(self) -> int:
         """Rank 0's random seed, for every rank."""
         import mlx.core as mx
@@ -201,10 +182,11 @@ class Group:
                          daemon=True).start()
         drop = _Drop()
         dog = self.watchdog
+        lockstep = Lockstep(self)
         try:
             while True:
                 dog.arm("waiting for rank 0's next step")
-                step = self.share(None)
+                step = lockstep.exchange(None)
                 if step.stop:
                     break
                 apply_step(engine, step, drop)
@@ -218,6 +200,75 @@ class Group:
         sys.stderr.flush()
         os._exit(0)
 
+
+class Lockstep:
+    """Rank 0's steps, handed to every rank one iteration late, so that rank 0 never waits for it.
+
+    Each iteration every rank calls `exchange` once, then applies what it returns and steps
+    its engine. ``exchange(step)`` queues this iteration's share of rank 0's `step` (an
+    all_sum of `HEAD_BYTES`: rank 0's frame, zeros from the others, evaluated asynchronously)
+    and returns the step shared the iteration before. A rank reads that one only now, when
+    it is done: it sits on the model's stream between the token the last engine step read
+    and the one it queued (`mx.async_eval`), so reading it makes no rank wait for the model,
+    and rank 0, which knows its own steps, reads nothing. A frame longer than the head goes
+    in a second all_sum at the start of the next iteration, on every rank in the same
+    place: the others learn its length only from the head.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self._group = group
+        self._lead = group.rank == 0
+        self._codec = step_codec()
+        #: The last iteration's share: its all_sum (in flight), rank 0's step and frame.
+        self._head = None
+        self._step: Step = _EMPTY
+        self._payload = b""
+        self._keep: tuple = ()
+
+    def exchange(self, step: Step | None) -> Step:
+        """Share `step` (rank 0; None: nothing to do; the others pass None); return the step the
+        last iteration shared, to apply now. A stop step ends the exchange (nothing more is shared)."""
+        import mlx.core as mx
+
+        previous = self._finish()
+        if previous.stop:
+            return previous
+        payload = self._codec.encode(step) if self._lead and step is not None else b""
+        head = np.zeros(HEAD_BYTES, np.uint8)
+        if self._lead:
+            head[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), np.uint8)
+            part = payload[: HEAD_BYTES - 4]
+            head[4 : 4 + len(part)] = np.frombuffer(part, np.uint8)
+        self._head = self._group._all_sum(mx.array(head))
+        mx.async_eval(self._head)
+        self._keep = (self._head, *self._keep[:1])  # rank 0 reads none of its shares: hold them a while
+        self._step, self._payload = step or _EMPTY, payload
+        return previous
+
+    def _finish(self) -> Step:
+        """The step shared last iteration: its tail exchanged if it was long, decoded on ranks k > 0."""
+        import mlx.core as mx
+
+        if self._head is None:
+            return _EMPTY
+        room = HEAD_BYTES - 4
+        if self._lead:
+            n = len(self._payload)
+            if n > room:
+                tail = self._group._all_sum(mx.array(np.frombuffer(self._payload[room:], np.uint8)))
+                mx.async_eval(tail)
+                self._keep = (tail, *self._keep)
+            self._head = None
+            return self._step
+        got = np.array(self._head)
+        self._head = None
+        n = int.from_bytes(got[:4].tobytes(), "little")
+        if n == 0:
+            return _EMPTY
+        data = got[4 : 4 + min(n, room)].tobytes()
+        if n > room:
+            data += np.array(self._group._all_sum(mx.zeros(n - room, mx.uint8))).tobytes()
+        return self._codec.decode(data)
 
 
 class _Expiry:
@@ -243,7 +294,8 @@ class _Expiry:
 
 
 class LeaderServer(Server):
-    """Rank 0's `Server`: before each engine step, the step's work goes to the other ranks."""
+    """Rank 0's `Server`: each engine step's work goes to every rank (`Lockstep`), and every rank,
+    this one included, applies it at the next iteration."""
 
     def __init__(self, engine, outbox, group: Group) -> None:
         super().__init__(engine, outbox)
@@ -259,40 +311,39 @@ class LeaderServer(Server):
         engine, group = self._engine, self._group
         dog = group.watchdog
         heartbeat = group.spec.heartbeat_s
+        lockstep = Lockstep(group)
+        last_inbox: list = []  # the requests of the step shared last iteration, with their arrival
+        last_work = False  # that step had work: apply it at once, without waiting for more
         while True:
             with self._cond:
-                if not (self._inbox or self._cancels or self._stopping or self._clear_cache or engine.busy):
+                if not (self._inbox or self._cancels or self._stopping or self._clear_cache or engine.busy
+                        or last_work):
                     self._cond.wait(heartbeat)  # then an empty step: the others know rank 0 lives
                 inbox, self._inbox = self._inbox, deque()
                 cancels, self._cancels = self._cancels, []
                 clear, self._clear_cache = self._clear_cache, False
                 stopping = self._stopping
-            work = inbox or cancels or clear or stopping
-            step = Step(generate=[r for r, _ in inbox], cancel=cancels, clear_cache=clear,
-                        stop=stopping) if work else None
-            dog.arm("sharing rank 0's step")
-            group.share(step)
-            if stopping:
+            work = bool(inbox or cancels or clear or stopping)
+            mine = Step(generate=[r for r, _ in inbox], cancel=cancels, clear_cache=clear, stop=stopping)
+            dog.arm("an iteration of the group")
+            step = lockstep.exchange(mine if work else None)
+            if step.stop:
                 dog.disarm()
-                self._end_all(inbox)
+                self._end_all(last_inbox + list(inbox))
                 return
-            if clear:
-                engine.clear_cache()
-            for req, queued_at in inbox:
-                engine.submit(req, self, queued_at=queued_at)
-            for req_id in cancels:
-                engine.cancel(req_id)
-            dog.arm("an engine step")
+            apply_step(engine, step, self, arrived={r.id: t for r, t in last_inbox})
+            last_inbox, last_work = list(inbox), work
             engine.step()
             dog.disarm()
 
 
-def apply_step(engine, step: Step, listener) -> None:
-    """Do to `engine` what rank 0 did before its step, in the same order."""
+def apply_step(engine, step: Step, listener, arrived: dict[int, float] | None = None) -> None:
+    """Do to `engine` what rank 0 shared, in the same order on every rank (`arrived`: when rank 0
+    got each request, for its stats)."""
     if step.clear_cache:
         engine.clear_cache()
     for req in step.generate:
-        engine.submit(req, listener)
+        engine.submit(req, listener, queued_at=(arrived or {}).get(req.id))
     for req_id in step.cancel:
         engine.cancel(req_id)
 
