@@ -228,3 +228,19 @@ def test_cli_flags_make_the_group():
     assert _group(build_parser().parse_args(argv)) == Group(ranks=2, backend="ring", hosts="h.json",
                                                             sharding="pipeline")
     assert _group(build_parser().parse_args(["serve", "-m", "x"])) is None
+
+
+def test_a_jaccl_host_file_is_checked_as_mlx_launch_checks_it(tmp_path, monkeypatch):
+    """jaccl needs an RDMA device to every other host (jaccl-ring: to its neighbours), null to itself."""
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    four = [{"ssh": "127.0.0.1" if i == 0 else f"mac{i}", "ips": [f"10.0.0.{i + 1}"],
+             "rdma": [f"rdma_en{j}" if (j - i) % 4 in (1, 3) else None for j in range(4)]} for i in range(4)]
+    plan = Group(hosts=_host_file(tmp_path, four), backend="jaccl-ring").plan()
+    assert plan is not None
+    launches = plan.launch()
+    assert [x.host for x in launches] == [None, "mac1", "mac2", "mac3"]
+    assert {(x.env["MLX_JACCL_COORDINATOR"].split(":")[0], x.env["MLX_JACCL_RING"]) for x in launches} == {
+        ("10.0.0.1", "1")}
+    assert json.loads(launches[2].files["MLX_IBV_DEVICES"])[0] == [None, "rdma_en1", None, "rdma_en3"]
+    with pytest.raises(ValueError, match="no RDMA device is listed from 127.0.0.1 to \\['mac2'\\]"):
+        Group(hosts=_host_file(tmp_path, four), backend="jaccl").plan()

@@ -227,7 +227,7 @@ class Stats(msgspec.Struct, kw_only=True):
 
 
 #: MLX backends a worker group can use; "auto" is `mlx.launch`'s choice: nccl where CUDA is, else ring.
-GROUP_BACKENDS = ("auto", "ring", "jaccl", "nccl")
+GROUP_BACKENDS = ("auto", "ring", "jaccl", "jaccl-ring", "nccl")
 #: How a group splits the model: mlx-lm's `sharded_load` ("auto": tensor parallel where the model
 #: has `shard`, else pipeline parallel).
 SHARDINGS = ("auto", "tensor", "pipeline")

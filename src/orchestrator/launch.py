@@ -11,6 +11,7 @@ backend   per rank
 ring      MLX_RANK; MLX_HOSTFILE: a file holding ``[["ip:port", ...], ...]``, one list per rank
 nccl      MLX_RANK, MLX_WORLD_SIZE, NCCL_HOST_IP (rank 0's ip), NCCL_PORT, CUDA_VISIBLE_DEVICES
 jaccl     MLX_RANK, MLX_JACCL_COORDINATOR (rank 0's ip:port); MLX_IBV_DEVICES: a file of rdma names
+          (jaccl-ring: and MLX_JACCL_RING=1; RDMA devices needed to the neighbours only)
 auto      ring's and nccl's: the rank picks as `mlx.launch` does (nccl where CUDA is, else ring)
 ========  ==========================================================================
 
@@ -69,7 +70,7 @@ class Group:
     """How one logical worker is spread over rank processes with `mx.distributed` (docs/distributed.md).
 
     ranks: processes in the group (default: the host file's hosts). backend: "auto" (nccl
-    where CUDA is, else ring), "ring", "jaccl" or "nccl". hosts: an `mlx.launch` host file
+    where CUDA is, else ring), "ring", "jaccl", "jaccl-ring" or "nccl". hosts: an `mlx.launch` host file
     (default: every rank on this machine). sharding: "auto" (tensor parallel where mlx-lm's
     model has `shard`, else pipeline), "tensor" or "pipeline". port: the first port the ring
     or the coordinator listens on (`mlx.launch --starting-port`; default: free ports).
@@ -158,10 +159,12 @@ class GroupPlan:
             for r, e in enumerate(env):
                 e.update(NCCL_HOST_IP=host_ip, NCCL_PORT=str(port), MLX_WORLD_SIZE=str(self.size),
                          CUDA_VISIBLE_DEVICES=devices[r])
-        if self.backend == "jaccl":
+        if self.backend in ("jaccl", "jaccl-ring"):
             coordinator = f"{self.hosts[0].ips[0]}:{next(ports)}"
             for r, e in enumerate(env):
                 e["MLX_JACCL_COORDINATOR"] = coordinator
+                if self.backend == "jaccl-ring":
+                    e["MLX_JACCL_RING"] = "1"
                 files[r]["MLX_IBV_DEVICES"] = json.dumps([h.rdma for h in self.hosts])
         return [RankLaunch(r, None if is_local(h.ssh) else h.ssh, env[r], files[r])
                 for r, h in enumerate(self.hosts)]
@@ -201,8 +204,8 @@ def _check_backend(backend: str) -> None:
     if backend not in GROUP_BACKENDS:
         raise ValueError(f"invalid backend={backend!r}: must be one of {GROUP_BACKENDS}")
     system = platform.system()
-    if backend == "jaccl" and system != "Darwin":
-        raise ValueError(f"invalid backend='jaccl': JACCL (RDMA over Thunderbolt) runs on macOS only, "
+    if backend.startswith("jaccl") and system != "Darwin":
+        raise ValueError(f"invalid backend={backend!r}: JACCL (RDMA over Thunderbolt) runs on macOS only, "
                          f"and this is {system}; use ring, or nccl on CUDA GPUs")
     if backend == "nccl" and system == "Darwin":
         raise ValueError("invalid backend='nccl': NCCL needs CUDA GPUs; on macOS use ring or jaccl")
@@ -228,16 +231,17 @@ def _check_hosts(hosts: list[HostEntry], backend: str, source: object) -> None:
         if missing:
             raise ValueError(f"invalid {where}: the ring backend needs 'ips' for every host; none for "
                              f"{missing}")
-    if backend in ("nccl", "jaccl") and not hosts[0].ips:
+    if backend in ("nccl", "jaccl", "jaccl-ring") and not hosts[0].ips:
         raise ValueError(f"invalid {where}: the {backend} backend needs rank 0's 'ips' (reachable from "
                          "every rank)")
-    if backend == "jaccl":
+    if backend.startswith("jaccl"):  # as mlx.launch checks
         n = len(hosts)
         for i, h in enumerate(hosts):
             if len(h.rdma) != n or h.rdma[i] is not None:
                 raise ValueError(f"invalid {where}: jaccl needs 'rdma' on every host, one entry per "
                                  f"host and null for itself; host {i} ({h.ssh}) has {h.rdma}")
-            missing = [hosts[j].ssh for j in range(n) if j != i and h.rdma[j] is None]
+            peers = {(i - 1) % n, (i + 1) % n} if backend == "jaccl-ring" else set(range(n))
+            missing = [hosts[j].ssh for j in sorted(peers) if j != i and h.rdma[j] is None]
             if missing:
                 raise ValueError(f"invalid {where}: no RDMA device is listed from {h.ssh} to {missing}")
 

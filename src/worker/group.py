@@ -422,6 +422,7 @@ def resolve_backend(backend: str) -> str:
 
     if backend == "auto":
         backend = "nccl" if mx.cuda.is_available() else "ring"
+    backend = "jaccl" if backend == "jaccl-ring" else backend  # the ring is MLX_JACCL_RING=1
     if not mx.distributed.is_available(backend):
         raise GroupError(
             f"backend {backend!r} is not available in this MLX build on {platform.system()} "
