@@ -72,7 +72,8 @@ def one_round(rt, vocab: int, args, round_: int) -> dict:
     }
 
 
-def speed(args) -> dict:
+def speed(args, reference: list[list[int]] | None) -> dict:
+    """`reference`: the lone prompts' ids from mlx-lm over a group of --probe-ranks, if measured."""
     from mlxrt import EngineOptions, Runtime
 
     engine = EngineOptions(prompt_cache_bytes=0, decode_concurrency=max(args.batch, 1))
@@ -103,6 +104,8 @@ def speed(args) -> dict:
         out[n]["same_ids"] = sum(a == b for a, b in pairs)
         out[n]["requests"] = len(pairs)
         out[n]["first_difference"] = min((_first_difference(a, b) for a, b in pairs if a != b), default=None)
+        if reference is not None and n == args.probe_ranks:
+            out[n]["same_as_mlx_lm"] = sum(x["ids"][0] == ref for x, ref in zip(rs, reference, strict=True))
     return out
 
 
@@ -122,9 +125,11 @@ def probe(args) -> dict:
     assert plan is not None
     procs = []
     for spec in plan.launch():
-        rank = GroupRank(rank=spec.rank, size=plan.size, backend=plan.backend, env=spec.env, files=spec.files)
+        rank = GroupRank(rank=spec.rank, size=plan.size, backend=plan.backend, sharding=args.sharding,
+                         env=spec.env, files=spec.files)
         cmd = [sys.executable, "-m", "benchmarks.group", "--probe-rank", json.dumps(_builtins(rank)),
-               "--hidden", str(args.hidden)]
+               "--hidden", str(args.hidden), "--model", args.model, "--rounds", str(args.rounds),
+               "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                       cwd=Path(__file__).resolve().parent.parent))
     outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -133,14 +138,30 @@ def probe(args) -> dict:
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
+def mlx_lm_ids(group, args) -> list[list[int]]:
+    """Each measured round's lone prompt, greedy, by mlx-lm alone over this group's shards."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlxrt.worker.engine import resolve_model_path
+
+    model, _, config = group.load(resolve_model_path(args.model))
+    vocab = int({**config.get("text_config", {}), **config}["vocab_size"])
+    out = []
+    for r in range(1, args.rounds + 1):
+        steps = generate_step(mx.array(prompt_ids(vocab, args.prompt_tokens, r)), model)
+        out.append([int(t) for (t, _), _ in zip(steps, range(args.gen_tokens), strict=False)])
+    return out
+
+
 def _builtins(obj):
     import msgspec
 
     return msgspec.to_builtins(obj)
 
 
-def probe_rank(spec_json: str, hidden: int) -> None:
-    """One probe rank: join as a worker's rank does, then time the collectives."""
+def probe_rank(spec_json: str, args) -> None:
+    """One probe rank: join as a worker's rank does, time the collectives, then generate each round's
+    lone prompt with mlx-lm's own `generate_step` over `sharded_load`: the reference for a group."""
     import mlx.core as mx
     import msgspec
     import structlog
@@ -154,6 +175,7 @@ def probe_rank(spec_json: str, hidden: int) -> None:
     group = join(spec, None, structlog.get_logger("probe"))  # type: ignore[arg-type]
     lead = group.rank == 0
     new = Step(generate=[Generate(id=1, params=SamplingParams(max_tokens=256), prompt_ids=list(range(512)))])
+    hidden = args.hidden
     x = mx.zeros((1, hidden), dtype=mx.float16)
     lockstep = Lockstep(group)
 
@@ -180,6 +202,7 @@ def probe_rank(spec_json: str, hidden: int) -> None:
     }
     lockstep.exchange(Step(stop=True) if lead else None)
     lockstep.exchange(None)  # both ranks see the stop: neither is left waiting
+    result["mlx_lm_ids"] = mlx_lm_ids(group, args)
     if lead:
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -203,6 +226,8 @@ def report(args, result: dict) -> None:
         ids = f"{s['same_ids']}/{s['requests']} same"
         if s["first_difference"] is not None:
             ids += f", first difference at token {s['first_difference']}"
+        if "same_as_mlx_lm" in s:
+            ids += f"; alone {s['same_as_mlx_lm']}/{s['decode_tps']['n']} same as mlx-lm's on the same shards"
         print(f"{n:>5} {_fmt(s['prefill_tps']):>24} {_fmt(s['ttft_ms']):>24} {_fmt(s['decode_tps']):>24} "
               f"{_fmt(s['batch_tps']):>24}  {ids}")
     p = result.get("collectives")
@@ -232,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--probe-rank", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe_rank is not None:
-        probe_rank(args.probe_rank, args.hidden)
+        probe_rank(args.probe_rank, args)
         return None
     args.ranks = [int(x) for x in args.ranks.split(",")]
     args.hidden = args.hidden or _hidden_size(args.model)
@@ -240,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.only in (None, "collectives") and args.probe_ranks > 1:
         result["collectives"] = probe(args)
     if args.only in (None, "speed"):
-        result["speed"] = speed(args)
+        result["speed"] = speed(args, result.get("collectives", {}).pop("mlx_lm_ids", None))
     report(args, result)
     doc = json.dumps(result)
     if args.json:
