@@ -24,6 +24,7 @@ import structlog
 
 from .. import logs
 from ..ipc.protocol import (
+    DEFAULT_HEARTBEAT_S,
     Done,
     EngineOptions,
     Failed,
@@ -168,6 +169,10 @@ class Pool:
             raise ValueError(f"invalid groups: {unknown} name no model of this runtime ({sorted(models)})")
         # Host files are read and checked here, before any process starts.
         plans = {name: g.plan() for name, g in (groups or {}).items()}
+        if any(plans.values()) and timeouts.collective_s <= 2 * DEFAULT_HEARTBEAT_S:
+            raise ValueError(f"invalid collective timeout {timeouts.collective_s:g} s: a worker group needs "
+                             f"more than {2 * DEFAULT_HEARTBEAT_S:g} s (an idle group steps every "
+                             f"{DEFAULT_HEARTBEAT_S:g} s; set MLXRT_COLLECTIVE_TIMEOUT_S)")
         self.timeouts = timeouts
         self.supervision = supervision
         self.engine = (engine or engine_from_env()).validate()
