@@ -102,7 +102,7 @@ class GroupHandle(WorkerHandle):
         try:
             for spec in self._launch[1:]:
                 self._ranks.append(self._start_rank(spec, warmup_tokens, cache_limit_bytes))
-        except OSError as exc:  # no ssh, say
+        except (OSError, subprocess.SubprocessError) as exc:  # no ssh, say, or rank 0 already gone
             self.kill()
             raise ModelLoadError(f"worker group for model {self.model!r}: could not start rank "
                                  f"{len(self._ranks) + 1}: {exc}") from exc
