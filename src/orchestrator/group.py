@@ -180,6 +180,7 @@ class GroupHandle(WorkerHandle):
         rank.state = "exited"
         if self._ending:
             return
+        rank.threads[0].join(1.0)  # its last stderr lines (ssh's error) are read before they are quoted
         why = f"failed: {rank.fatal}" if rank.fatal else _exit_text(code, self._timeouts.collective_s)
         if not rank.fatal and code not in (None, EXIT_COLLECTIVE_TIMEOUT, EXIT_GROUP_FAILED) and code > 0:
             why += f": {_tail(rank.tail)}"  # its own words (an ssh error, a crash)
