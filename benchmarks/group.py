@@ -138,19 +138,27 @@ def probe(args) -> dict:
     return json.loads(outs[0].strip().splitlines()[-1])
 
 
-def mlx_lm_ids(group, args) -> list[list[int]]:
-    """Each measured round's lone prompt, greedy, by mlx-lm alone over this group's shards."""
+def mlx_lm_ids(group, args) -> tuple[list[list[int]], list[float]]:
+    """Each measured round's lone prompt, greedy, by mlx-lm alone over this group's shards: the ids,
+    and the decode tok/s (first token to last)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlxrt.worker.engine import resolve_model_path
 
     model, _, config = group.load(resolve_model_path(args.model))
     vocab = int({**config.get("text_config", {}), **config}["vocab_size"])
-    out = []
+    out, tps = [], []
     for r in range(1, args.rounds + 1):
         steps = generate_step(mx.array(prompt_ids(vocab, args.prompt_tokens, r)), model)
-        out.append([int(t) for (t, _), _ in zip(steps, range(args.gen_tokens), strict=False)])
-    return out
+        ids, times = [], []
+        for _, (t, _) in zip(range(args.gen_tokens), steps, strict=False):
+            ids.append(int(t))
+            times.append(time.perf_counter())
+        out.append(ids)
+        tps.append((len(ids) - 1) / (times[-1] - times[0]))
+    # generate_step keeps a token queued: its collectives must meet the other ranks' before any exits.
+    mx.eval(group._all_sum(mx.array([1])))
+    return out, tps
 
 
 def _builtins(obj):
@@ -202,7 +210,7 @@ def probe_rank(spec_json: str, args) -> None:
     }
     lockstep.exchange(Step(stop=True) if lead else None)
     lockstep.exchange(None)  # both ranks see the stop: neither is left waiting
-    result["mlx_lm_ids"] = mlx_lm_ids(group, args)
+    result["mlx_lm_ids"], result["mlx_lm_decode_tps"] = mlx_lm_ids(group, args)
     if lead:
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
@@ -238,6 +246,8 @@ def report(args, result: dict) -> None:
               f"({p['step_frame_bytes']} bytes)")
         print(f"  all_sum of one token's hidden ({p['hidden']} fp16)    {p['all_sum_hidden_us']:8.1f}  "
               "(waited for; tensor parallel: 2 per layer and token)")
+        print(f"mlx-lm's generate_step alone on the same {p['ranks']} shards, the lone prompts: decode "
+              f"{_fmt(spread(p['mlx_lm_decode_tps']))} tok/s")
 
 
 def main(argv: list[str] | None = None) -> dict | None:
