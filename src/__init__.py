@@ -18,7 +18,8 @@ from .orchestrator.errors import (
     RequestError,
     WorkerDied,
 )
-from .orchestrator.handle import WorkerInfo, WorkerMemory
+from .orchestrator.handle import RankInfo, WorkerInfo, WorkerMemory
+from .orchestrator.launch import Group
 from .orchestrator.options import ModelSpec
 from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, Runtime, Stream
 
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EngineOptions",
     "Grammar",
+    "Group",
     "AsyncRuntime",
     "AsyncStream",
     "ChannelError",
@@ -40,6 +42,7 @@ __all__ = [
     "ModelNotFoundError",
     "ModelSpec",
     "RequestError",
+    "RankInfo",
     "Runtime",
     "SamplingParams",
     "Stats",

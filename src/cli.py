@@ -25,7 +25,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
     }
     try:
-        with Runtime(model=args.model, transport=args.transport, engine=_engine_options(args)) as rt:
+        group = _group(args)
+        groups = {args.model: group} if group is not None else None
+        with Runtime(model=args.model, transport=args.transport, engine=_engine_options(args),
+                     groups=groups) as rt:
             stream = rt.stream(prompt_arg, **params)  # type: ignore[arg-type]
             for chunk in stream:
                 sys.stdout.write(chunk.text)
@@ -106,7 +109,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     try:
         serve(models, config=config, workers=args.workers, transport=args.transport,
-              log_level=args.log_level, engine=_engine_options(args), spares=args.spares)
+              log_level=args.log_level, engine=_engine_options(args), spares=args.spares,
+              group=_group(args))
     except (MlxrtError, ValueError) as exc:
         print(f"mlxrt: error: {exc}", file=sys.stderr)
         return 1
@@ -189,6 +193,36 @@ def _add_sampling_defaults(p: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=name, type=kind, default=None, help=what)
 
 
+def _group(args: argparse.Namespace):
+    """The worker-group flags as a `Group`, or None when none is given (one process per worker)."""
+    from .orchestrator.launch import Group
+
+    sharding = "pipeline" if args.pipeline else args.sharding
+    group = Group(ranks=args.ranks, backend=args.backend, hosts=args.hosts, sharding=sharding,
+                  port=args.starting_port, python=args.python)
+    return None if group == Group() else group
+
+
+def _add_group_flags(p: argparse.ArgumentParser) -> None:
+    """`mlx.launch`'s and `mlx_lm.server`'s names for the same knobs (docs/distributed.md)."""
+    from .ipc.protocol import GROUP_BACKENDS, SHARDINGS
+
+    g = p.add_argument_group("worker groups", "a worker made of several MLX processes (mx.distributed)")
+    g.add_argument("--ranks", type=int, default=None,
+                   help="processes per worker (default: the host file's hosts, else 1)")
+    g.add_argument("--backend", choices=GROUP_BACKENDS, default="auto",
+                   help="MLX's distributed backend (default: nccl with CUDA, else ring; as mlx.launch)")
+    g.add_argument("--hosts", "--hostfile", dest="hosts", default=None,
+                   help="mlx.launch's JSON host file, this machine first (default: every rank here)")
+    g.add_argument("--sharding", choices=SHARDINGS, default="auto",
+                   help="tensor or pipeline parallel (default: tensor where the model has it, else pipeline)")
+    g.add_argument("--pipeline", action="store_true", help="same as --sharding pipeline (mlx_lm.server)")
+    g.add_argument("--starting-port", type=int, default=None,
+                   help="first port the ranks listen on (mlx.launch; default: free ports)")
+    g.add_argument("--python", default=None,
+                   help="the interpreter on other hosts (mlx.launch; default: this one's path)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxrt", description=__doc__)
     parser.add_argument("--log-level", default="warning", help="structlog level (default: warning)")
@@ -206,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     gen.add_argument("--stats", action="store_true", help="print the request's stats as JSON on stderr")
     _add_engine_flags(gen)
+    _add_group_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
     from .orchestrator.http.config import (
@@ -235,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     _add_engine_flags(srv)
     _add_sampling_defaults(srv)
+    _add_group_flags(srv)
     srv.set_defaults(func=_cmd_serve)
 
     cp = sub.add_parser("cache-prompt", help="save a prompt's KV cache for --prompt-cache-file "

@@ -346,6 +346,43 @@ class Stats(msgspec.Struct, kw_only=True):
 # ---- orchestrator -> worker -------------------------------------------------
 
 
+#: MLX backends a worker group can use; "auto" is `mlx.launch`'s choice: nccl where CUDA is, else ring.
+GROUP_BACKENDS = ("auto", "ring", "jaccl", "jaccl-ring", "nccl")
+#: How a group splits the model: mlx-lm's `sharded_load` ("auto": tensor parallel where the model
+#: has `shard`, else pipeline parallel).
+SHARDINGS = ("auto", "tensor", "pipeline")
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+#: Connecting waits for every rank's process to start (and ssh to log in): never less than this.
+MIN_CONNECT_TIMEOUT_S = 60.0
+#: An idle group's rank 0 still steps the group this often, so a rank stuck waiting is told apart
+#: from a group with nothing to do.
+DEFAULT_HEARTBEAT_S = 1.0
+#: How a rank of a worker group ends when it cannot go on; the orchestrator names the cause.
+EXIT_COLLECTIVE_TIMEOUT = 5  # it waited on the other ranks past its collective timeout
+EXIT_GROUP_FAILED = 6  # a collective failed (a peer is gone) or an engine step failed
+
+
+class GroupRank(msgspec.Struct, kw_only=True):
+    """A worker process's place in a worker group: one logical worker over `mx.distributed`.
+
+    `env` is set, and each of `files` written to a temporary file whose path its variable
+    gets, before MLX starts its backend: what `mlx.launch` would have set (MLX_RANK,
+    MLX_HOSTFILE, NCCL_HOST_IP, ...), written by the orchestrator (docs/distributed.md).
+    """
+
+    rank: int
+    size: int
+    backend: str = "auto"
+    sharding: str = "auto"
+    env: dict[str, str] = {}
+    files: dict[str, str] = {}
+    #: Longest wait of one rank for the others (one engine step); then it exits.
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    #: Longest wait for the other ranks to connect, when the group starts.
+    connect_timeout_s: float = MIN_CONNECT_TIMEOUT_S
+
+
 class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
     protocol: int
     model: str
@@ -355,6 +392,8 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
     cache_limit_bytes: int | None = None
     ring: RingSpec | None = None
     engine: EngineOptions | None = None
+    #: Set when this process is one rank of a worker group.
+    group: GroupRank | None = None
 
 
 class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
@@ -395,6 +434,21 @@ class ClearCache(msgspec.Struct, tag="clear_cache", array_like=True):
 
 
 Down = Hello | Generate | Cancel | Shutdown | Ping | ClearCache | Embed
+
+
+# ---- rank 0 -> the other ranks of a worker group (over mx.distributed) ---------
+
+
+class Step(msgspec.Struct, tag="step", array_like=True, kw_only=True):
+    """What rank 0's engine does before its next step, for every rank to do the same.
+
+    In this order: clear the prefix cache, submit, cancel, then step (or stop).
+    """
+
+    generate: list[Generate] = []
+    cancel: list[int] = []
+    clear_cache: bool = False
+    stop: bool = False
 
 
 # ---- worker -> orchestrator -------------------------------------------------
@@ -592,6 +646,11 @@ class Codec:
 def worker_codec() -> Codec:
     """The worker's end: decodes `Down`, encodes `Up`."""
     return Codec(Down)
+
+
+def step_codec() -> Codec:
+    """A worker group's ranks: rank 0 encodes `Step`s, the others decode them."""
+    return Codec(Step)
 
 
 def orchestrator_codec() -> Codec:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ipc.protocol import EngineOptions
+from ..ipc.protocol import DEFAULT_COLLECTIVE_TIMEOUT_S, EngineOptions
 
 DEFAULT_READY_TIMEOUT_S = 300.0
 DEFAULT_TOKEN_TIMEOUT_S = 300.0
@@ -40,7 +40,9 @@ class Timeouts:
     (MLXRT_SHUTDOWN_TIMEOUT_S). queue_s: from a request's submission until a worker
     takes it, while it waits for one (queued, or replayed after a crash;
     MLXRT_QUEUE_TIMEOUT_S). send_s: one frame's write to a worker's input; a worker
-    that does not read it that long is killed (MLXRT_SEND_TIMEOUT_S).
+    that does not read it that long is killed (MLXRT_SEND_TIMEOUT_S). collective_s: in a
+    worker group, the longest a rank waits on the others (connecting, or one engine step)
+    before it exits and the group is stopped (MLXRT_COLLECTIVE_TIMEOUT_S).
     """
 
     ready_s: float = DEFAULT_READY_TIMEOUT_S
@@ -48,6 +50,7 @@ class Timeouts:
     shutdown_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     queue_s: float = DEFAULT_QUEUE_TIMEOUT_S
     send_s: float = DEFAULT_SEND_TIMEOUT_S
+    collective_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     @classmethod
     def from_env(cls) -> Timeouts:
@@ -57,6 +60,7 @@ class Timeouts:
             shutdown_s=_env_float("MLXRT_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S),
             queue_s=_env_float("MLXRT_QUEUE_TIMEOUT_S", DEFAULT_QUEUE_TIMEOUT_S),
             send_s=_env_float("MLXRT_SEND_TIMEOUT_S", DEFAULT_SEND_TIMEOUT_S),
+            collective_s=_env_float("MLXRT_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S),
         )
 
 

@@ -105,6 +105,17 @@ class WorkerMemory:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """One process of a worker group: its rank, its pid on its host, the host, its state
+    (starting, ready, exited)."""
+
+    rank: int
+    pid: int
+    host: str
+    state: str
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """A snapshot of one worker, as `Runtime.workers` reports it.
 
@@ -125,6 +136,8 @@ class WorkerInfo:
     queued: int = 0
     #: A hot spare: loaded and warmed up, standing by for a crashed worker's place; never sent requests.
     spare: bool = False
+    #: A worker group's processes, rank 0 (this worker's `pid`) first; empty for a single process.
+    ranks: tuple[RankInfo, ...] = ()
 
 
 def _discard(_event: object) -> None:
@@ -191,6 +204,7 @@ class WorkerHandle:
             warmup_tokens=warmup_tokens,
             cache_limit_bytes=cache_limit_bytes,
             engine=self.engine,
+            **self._hello_extra(),
         )
         pass_fds: tuple[int, ...] = ()
         if self.transport == "ring":
@@ -206,6 +220,7 @@ class WorkerHandle:
             stderr=subprocess.PIPE,
             pass_fds=pass_fds,
             bufsize=0,
+            **self._popen_extra(),
         )
         self.pid = self.proc.pid
         self._tx = PipeSender(os.dup(self.proc.stdin.fileno()))
@@ -226,6 +241,14 @@ class WorkerHandle:
             self._tx.send(self._codec.encode(hello))
         except ChannelClosed:
             pass  # it already exited: wait_ready reports how, with its stderr
+
+    def _hello_extra(self) -> dict:
+        """More fields of the worker's Hello (a worker group's rank 0 adds its place)."""
+        return {}
+
+    def _popen_extra(self) -> dict:
+        """More arguments of the worker's Popen (a worker group's rank 0 leads a process group)."""
+        return {}
 
     def wait_ready(self) -> Ready:
         """Block until the worker is ready; raise `ModelLoadError` or `MlxrtTimeout` otherwise.
@@ -509,19 +532,7 @@ class WorkerHandle:
                 self._tx.close()  # after the requests' ends: it may wait for a send that is failing
 
     def _pump_stderr(self) -> None:
-        decoder = msgspec.json.Decoder(dict)
-        for raw in iter(self.proc.stderr.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip()
-            self._stderr_tail.append(line)
-            try:
-                fields = decoder.decode(raw)
-                event = str(fields.pop("event", "log"))
-                level = str(fields.pop("level", "info"))
-                fields.pop("timestamp", None)
-                log.log(_LEVELS.get(level, 20), event, worker=self.name, **fields)
-            except (msgspec.DecodeError, TypeError):
-                log.info("worker.stderr", worker=self.name, line=line)
-        self.proc.stderr.close()
+        pump_stderr(self.proc.stderr, self._stderr_tail, self.name)
 
     def _last_stderr(self, lines: int = 8) -> str:
         tail = list(self._stderr_tail)[-lines:]
@@ -529,3 +540,20 @@ class WorkerHandle:
 
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+
+
+def pump_stderr(stream, tail: deque[str], worker: str) -> None:
+    """Log a worker's stderr, its JSON lines as the events they are; keep the last lines in `tail`."""
+    decoder = msgspec.json.Decoder(dict)
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip()
+        tail.append(line)
+        try:
+            fields = decoder.decode(raw)
+            event = str(fields.pop("event", "log"))
+            level = str(fields.pop("level", "info"))
+            fields.pop("timestamp", None)
+            log.log(_LEVELS.get(level, 20), event, worker=worker, **fields)
+        except (msgspec.DecodeError, TypeError):
+            log.info("worker.stderr", worker=worker, line=line)
+    stream.close()

@@ -24,6 +24,7 @@ import structlog
 
 from .. import logs
 from ..ipc.protocol import (
+    DEFAULT_HEARTBEAT_S,
     DetailedTokens,
     Done,
     EngineOptions,
@@ -40,7 +41,9 @@ from . import embeddings
 from .chat import CHAT_KEYWORDS, chat_messages, chat_options, missing_capability
 from .config import DEFAULT_WARMUP_TOKENS, Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, MlxrtTimeout, ModelFailedError, RequestError
+from .group import GroupHandle
 from .handle import WorkerHandle, WorkerInfo, WorkerMemory
+from .launch import Group
 from .options import ModelSpec, as_spec, prepare
 from .routing import PrefixRouter, block_keys
 from .structured import check_grammar, json_schema_grammar
@@ -154,7 +157,8 @@ class Pool:
     """Supervised worker slots for one or more models, started together, stopped together.
 
     Per model: `workers` active slots, which requests are routed to, and `spares`
-    standby slots, whose ready workers take a crashed active worker's place.
+    standby slots, whose ready workers take a crashed active worker's place. A model
+    named in `groups` has worker groups in its slots (`Group`: N rank processes each).
     """
 
     def __init__(
@@ -170,6 +174,7 @@ class Pool:
         engine: EngineOptions | None = None,
         worker_argv: list[str] | None = None,
         spares: int = 0,
+        groups: Mapping[str, Group] | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"invalid transport={transport!r}: must be one of {TRANSPORTS}")
@@ -179,6 +184,15 @@ class Pool:
             raise ValueError(f"invalid spares={spares!r}: must be an integer >= 0")
         if not models:
             raise ValueError("invalid model: name at least one model")
+        unknown = sorted(set(groups or {}) - set(models))
+        if unknown:
+            raise ValueError(f"invalid groups: {unknown} name no model of this runtime ({sorted(models)})")
+        # Host files are read and checked here, before any process starts.
+        plans = {name: g.plan() for name, g in (groups or {}).items()}
+        if any(plans.values()) and timeouts.collective_s <= 2 * DEFAULT_HEARTBEAT_S:
+            raise ValueError(f"invalid collective timeout {timeouts.collective_s:g} s: a worker group needs "
+                             f"more than {2 * DEFAULT_HEARTBEAT_S:g} s (an idle group steps every "
+                             f"{DEFAULT_HEARTBEAT_S:g} s; set MLXRT_COLLECTIVE_TIMEOUT_S)")
         self.timeouts = timeouts
         self.supervision = supervision
         self.engine = (engine or engine_from_env()).validate()
@@ -199,8 +213,10 @@ class Pool:
         self.slots: dict[str, list[Slot]] = {}
         self.spares: dict[str, list[Slot]] = {}
         for name, target in targets.items():
+            plan = plans.get(name)
+            handle = WorkerHandle if plan is None else functools.partial(GroupHandle, plan=plan)
             spawn = functools.partial(
-                WorkerHandle,
+                handle,
                 target,
                 model_name=name,
                 transport=self.transport,
@@ -692,6 +708,12 @@ class Runtime:
     `spares` hot spares per model (default 0): loaded, warmed-up workers that
     take no requests and take a crashed worker's place at once, a new spare
     loading behind each (docs/supervision.md). Each holds the model in memory.
+
+    `ranks`, `backend`, `hosts`, `sharding`: make each worker a group of rank
+    processes sharing the model over `mx.distributed` (`Group`; docs/distributed.md),
+    e.g. ``ranks=2, backend="ring"`` on this machine, or ``hosts="hosts.json"``
+    (`mlx.launch`'s host file) across machines; `groups` sets them per model
+    name instead. `rt.workers` lists each group's ranks (`WorkerInfo.ranks`).
     """
 
     def __init__(
@@ -707,11 +729,18 @@ class Runtime:
         cache_limit_bytes: int | None = None,
         engine: EngineOptions | None = None,
         spares: int = 0,
+        ranks: int | None = None,
+        backend: str = "auto",
+        hosts: str | None = None,
+        sharding: str = "auto",
+        groups: Mapping[str, Group] | None = None,
         _worker_argv: list[str] | None = None,
     ) -> None:
         _ensure_logging()
+        names = _model_map(model, models)
+        every = Group(ranks=ranks, backend=backend, hosts=hosts, sharding=sharding)
         self._pool = Pool(
-            _model_map(model, models),
+            names,
             workers=workers,
             transport=transport,
             timeouts=timeouts or Timeouts.from_env(),
@@ -721,6 +750,7 @@ class Runtime:
             engine=engine,
             worker_argv=_worker_argv,  # tests substitute fake workers here
             spares=spares,
+            groups=_groups(names, every, groups),
         )
         # Stop the workers even if the caller forgets: at garbage collection or interpreter exit.
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -836,6 +866,12 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _groups(models: Mapping[str, str], every: Group, groups: Mapping[str, Group] | None) -> dict[str, Group]:
+    """`every` for each model unless it is the default (one process), then `groups`' own."""
+    out = {name: every for name in models} if every != Group() else {}
+    return {**out, **(groups or {})}
 
 
 def _keep_alive(value: float | None) -> float | None:

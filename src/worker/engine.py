@@ -40,6 +40,12 @@ together: every chat is inserted in segments split at the end of its system
 prompt, the first one to need an uncached system prompt leads, and the
 others that need the same one wait in the queue until the leader's
 checkpoint lands, then start from it (`_leaders`).
+
+In a worker group (`group.py`) every rank runs its own `Engine` over its shard of
+the model, fed the same calls in the same order by rank 0, so they step in
+lockstep: the engine takes the group for loading (mlx-lm's `sharded_load`),
+for its prefix cache's byte count, and to stop the whole group when a step
+fails (a rank whose step failed can no longer be trusted to agree with the others).
 """
 
 from __future__ import annotations
@@ -138,16 +144,25 @@ class Engine:
         *,
         cache_limit_bytes: int | None = None,
         options: EngineOptions | None = None,
+        group=None,
     ) -> None:
+        """`group`: this process's rank of a worker group (`group.Group`), or None."""
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
         self.options = o = (options or EngineOptions()).validate()
         path = resolve_model_path(model)
-        self.model, self.tokenizer, config = load(
-            path, return_config=True, adapter_path=o.adapter_path, trust_remote_code=o.trust_remote_code,
-            tokenizer_config={"chat_template": o.chat_template} if o.chat_template is not None else None,
-        )
+        self.group = group
+        if group is not None:  # sharded by mlx-lm's sharded_load, which takes no adapter, template or draft
+            unsupported = [n for n in ("adapter_path", "chat_template", "draft_model") if getattr(o, n)]
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)}: not supported for a worker group (ranks > 1)")
+            self.model, self.tokenizer, config = group.load(path)
+        else:
+            self.model, self.tokenizer, config = load(
+                path, return_config=True, adapter_path=o.adapter_path, trust_remote_code=o.trust_remote_code,
+                tokenizer_config={"chat_template": o.chat_template} if o.chat_template is not None else None,
+            )
         self.path = path
         text = {**config.get("text_config", {}), **config}  # multimodal configs nest the LM's fields
         #: The model's own context (max_position_embeddings), and the default a request gets.
@@ -163,7 +178,7 @@ class Engine:
         if self.kv is not None:
             check_quantizable(self.model, self.kv)
         self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens)
-        self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)
+        self.prefix_cache = self._new_prefix_cache()
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
         self._pinned = None if o.prompt_cache_file is None else load_prompt_file(self, o.prompt_cache_file)
@@ -367,9 +382,13 @@ class Engine:
                 self.solo_enabled = solo
         batch = range(self.options.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
-        self.prefix_cache = PrefixCache(self.options.prompt_cache_bytes)  # warm-up is no hit
+        self.prefix_cache = self._new_prefix_cache()  # warm-up is no hit
         self._seed_prefix_cache()
         self.warmup_s = time.perf_counter() - t0
+
+    def _new_prefix_cache(self) -> PrefixCache:
+        total = self.group.total if self.group is not None and self.group.size > 1 else None
+        return PrefixCache(self.options.prompt_cache_bytes, total)
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
         """A prompt two prefill steps and a bit long, within the context.
@@ -628,6 +647,8 @@ class Engine:
             if seq.logprobs is not None:
                 self._attach_logprobs([(seq, token, solo.logprobs)])
         except Exception as exc:
+            if self.group is not None:
+                self.group.abort(exc)
             reseed()
             self._solo = None
             error = BatchStepError(f"single-stream step failed: {exc!r}")
@@ -759,7 +780,12 @@ class Engine:
             seq.listener.done(seq.req.id, seq.stats(reason), parts.content)
 
     def _fail_batch(self, exc: Exception) -> None:
-        """A step raised: the batch's caches can no longer be trusted; fail its requests, rebuild it."""
+        """A step raised: the batch's caches can no longer be trusted; fail its requests, rebuild it.
+
+        In a group the whole group stops instead (the orchestrator's `WorkerDied`).
+        """
+        if self.group is not None:
+            self.group.abort(exc)
         error = BatchStepError(f"batch step failed: {exc!r}")
         error.__cause__ = exc
         running, self._running = list(self._running.values()), {}

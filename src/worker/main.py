@@ -21,6 +21,10 @@ orchestrator is gone: the worker cancels what it was doing and exits. A
 thread polling the parent pid is the second line (a re-parented worker
 exits too). No PR_SET_PDEATHSIG: it fires when the *thread* that spawned the
 worker exits, and AsyncRuntime spawns from a pool thread.
+
+A Hello with ``group`` makes this process one rank of a worker group
+(`group.py`): rank 0 serves as above, each engine step shared with the other
+ranks; the others only follow.
 """
 
 from __future__ import annotations
@@ -354,6 +358,26 @@ def _hide_torch() -> None:
         sys.modules["torch"] = None  # type: ignore[assignment]
 
 
+def _ready(hello: Hello, engine) -> Ready:
+    import mlx.core as mx
+    import mlx_lm
+
+    return Ready(
+        protocol=PROTOCOL_VERSION,
+        pid=os.getpid(),
+        model=hello.model,
+        context_length=engine.model_context,
+        vocab_size=engine.vocab_size,
+        load_s=engine.load_s,
+        warmup_s=engine.warmup_s,
+        mlx_version=mx.__version__,
+        mlx_lm_version=mlx_lm.__version__,
+        device=str(mx.default_device()),
+        capabilities=engine.capabilities,
+        path=engine.path,
+    )
+
+
 def main() -> None:
     in_fd, out_fd = _claim_stdio()
     from .. import logs
@@ -378,12 +402,14 @@ def main() -> None:
         log.error("worker.channel_failed", transport=hello.transport, error=repr(exc))
         _fatal(PipeSender(out_fd), exc)
         os._exit(2)
+    group = None
     try:
         started = time.perf_counter()
         _hide_torch()
-        import mlx.core as mx
-        import mlx_lm
+        if hello.group is not None:  # before MLX is imported: it sets what MLX reads (CUDA_VISIBLE_DEVICES)
+            from .group import join
 
+            group = join(hello.group, tx, log)
         from .embed import Embedder, embedding_spec, local_model_path
         from .engine import Engine
 
@@ -391,7 +417,10 @@ def main() -> None:
         path = local_model_path(hello.model)
         spec = embedding_spec(path)  # an embedding model's worker embeds and never generates
         if spec is None:
-            engine = Engine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
+            engine = Engine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine,
+                            group=group)
+        elif group is not None:
+            raise ValueError("an embedding model runs in one process, not in a group (ranks=1)")
         else:
             engine = Embedder(path, spec, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine)
         engine.warmup(hello.warmup_tokens)
@@ -400,26 +429,13 @@ def main() -> None:
         _fatal(tx, exc)
         tx.close()
         os._exit(1)
+    if group is not None and group.rank > 0:
+        group.follow(engine, tx, _ready(hello, engine), rx)  # never returns
     outbox = Outbox(tx)
-    outbox.message(
-        Ready(
-            protocol=PROTOCOL_VERSION,
-            pid=os.getpid(),
-            model=hello.model,
-            context_length=engine.model_context,
-            vocab_size=engine.vocab_size,
-            load_s=engine.load_s,
-            warmup_s=engine.warmup_s,
-            mlx_version=mx.__version__,
-            mlx_lm_version=mlx_lm.__version__,
-            device=str(mx.default_device()),
-            capabilities=engine.capabilities,
-            path=engine.path,
-        )
-    )
+    outbox.message(_ready(hello, engine))
     log.info("worker.ready", model=hello.model, import_s=round(import_s, 3), load_s=round(engine.load_s, 3),
              warmup_s=round(engine.warmup_s, 3))
-    server = Server(engine, outbox)
+    server = Server(engine, outbox) if group is None else group.leader(engine, outbox)
     threading.Thread(target=_read_loop, args=(rx, server, log), name="mlxrt-reader", daemon=True).start()
     threading.Thread(target=_watch_parent, args=(server, log), name="mlxrt-parent", daemon=True).start()
     server.serve_forever()

@@ -11,12 +11,18 @@ what the engine needs around it:
   `ArraysCache`'s recurrent state) are only reused from an exact checkpoint,
   which `LRUPromptCache` already guarantees; the engine takes checkpoints at
   the boundaries a later request can share;
-- hit, miss and cached-token counters, for the worker's report.
+- hit, miss and cached-token counters, for the worker's report;
+- in a worker group, eviction by the group's bytes (`total`): each rank holds
+  its own shard of every entry, of a size that differs between ranks under
+  pipeline parallelism, yet every rank must keep and evict the same entries,
+  or their prefills (and their collectives) would part ways.
 
 Entries are deep copies: a reused cache is extended in place by the batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
@@ -29,11 +35,18 @@ MAX_ENTRIES = 256
 
 
 class PrefixCache:
-    """KV caches of earlier prompts, reused for the longest shared prefix."""
+    """KV caches of earlier prompts, reused for the longest shared prefix.
 
-    def __init__(self, max_bytes: int) -> None:
+    `total`, in a worker group: maps this rank's bytes to the group's (a collective every
+    rank calls at the same point); the byte cap then bounds the group's cache, all ranks
+    together, and every rank evicts the same entries.
+    """
+
+    def __init__(self, max_bytes: int, total: Callable[[int], int] | None = None) -> None:
         self.max_bytes = max_bytes
-        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max(max_bytes, 0))
+        self._total = total
+        cap = max(max_bytes, 0) if total is None else 1 << 62  # a group evicts in `_evict`
+        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=cap)
         self.hits = 0
         self.misses = 0
         self.cached_tokens = 0
@@ -83,6 +96,13 @@ class PrefixCache:
         """
         if self.enabled and tokens and cache:
             self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
+            if self._total is not None:
+                self._evict(self._total)
+
+    def _evict(self, total: Callable[[int], int]) -> None:
+        """Evict least-recently-used entries, the same on every rank, until the group's bytes fit."""
+        while len(self._lru) and total(self._lru.nbytes) > self.max_bytes:
+            self._lru.trim_to(n_sequences=len(self._lru) - 1)
 
     def clear(self) -> None:
         self._lru.trim_to(n_sequences=0)

@@ -15,6 +15,7 @@ hand:
 
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -127,9 +128,22 @@ def check_sampler(sampler, vocab_size: int) -> None:
         raise
 
 
+#: Where `reseed` draws seeds: the system's entropy; the ranks of a worker group share a seeded
+#: generator (`share_seeds`), so their random states stay equal.
+_seeds: random.Random = secrets.SystemRandom()
+
+
 def reseed() -> None:
     """Give MLX's global random state a fresh seed (after a failure may have broken it)."""
-    mx.random.seed(secrets.randbits(63))
+    mx.random.seed(_seeds.getrandbits(63))
+
+
+def share_seeds(seed: int) -> None:
+    """Seed MLX's random state and `reseed`'s draws with `seed`, which every rank of a group
+    agreed on: the same draws on every rank."""
+    global _seeds
+    _seeds = random.Random(seed)
+    mx.random.seed(seed)
 
 
 class TextStream:

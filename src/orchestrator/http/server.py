@@ -17,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from ...ipc.protocol import EngineOptions
+from ..launch import Group
 from ..models import SYNTHETIC_PREFIX
 from ..runtime import AsyncRuntime
 from .app import create_app
@@ -61,12 +62,17 @@ def serve(
     log_level: str = "warning",
     engine: EngineOptions | None = None,
     spares: int = 0,
+    group: Group | None = None,
 ) -> None:
-    """Serve `models` until SIGINT or SIGTERM; raises the runtime's errors if a model fails to load."""
+    """Serve `models` until SIGINT or SIGTERM; raises the runtime's errors if a model fails to load.
+
+    `group`: each model's workers are worker groups of that shape (docs/distributed.md).
+    """
 
     async def main() -> None:
+        groups = {name: group for name in models} if group is not None else None
         runtime = AsyncRuntime(models=dict(models), workers=workers, transport=transport, engine=engine,
-                               spares=spares)
+                               spares=spares, groups=groups)
         async with runtime as rt:
             app = create_app(rt, config, model_refs=models)
             server = uvicorn.Server(uvicorn.Config(

@@ -1,0 +1,493 @@
+r"""One rank of a worker group: a model sharded over N processes with `mx.distributed`, in lockstep.
+
+::
+
+    orchestrator            rank 0 (main.py + LeaderServer)              rank k > 0 (follow)
+    ------------            -------------------------------              -------------------
+    Generate/Cancel  --->   Server queue; each iteration:                each iteration:
+                            Step{generate, cancel, clear_cache, stop}
+                            --all_sum (Lockstep.exchange)-->             the step rank 0 shared
+                            apply the step shared last iteration,        last iteration: submit,
+                            Engine.step()                                cancel, Engine.step()
+                                 \________ the model's own collectives (tensor or pipeline) ________/
+    <--- Tokens/Done  ---   rank 0's listener                            output dropped
+
+Every rank loads its shard with mlx-lm's `sharded_load` (tensor parallel where
+the model has `shard`, else pipeline) and runs an `Engine` of its own. Rank 0
+alone talks to the orchestrator, exactly as a single worker does; each
+iteration it hands what its engine is to do to the other ranks, and every
+rank, rank 0 included, applies it at the next iteration, so every rank makes
+the same model calls in the same order and the model's collectives meet.
+This is what `mlx_lm.server` does for distributed serving
+(`ResponseGenerator._share_object`), with msgspec frames instead of pickle,
+one collective per step rather than two (the frame rides in a fixed-size
+head, `HEAD_BYTES`; a longer one takes a second), on the model's own stream,
+and one iteration late, so that no rank waits for it (`Lockstep`). An idle
+rank 0 still shares an empty step every `heartbeat_s`.
+
+The ranks agree on one random seed when they join, so their samplers draw the
+same tokens, and the prefix cache evicts by the group's bytes (`total`).
+
+How a rank ends, and what the orchestrator sees (`orchestrator/group.py`):
+
+- a `Step` with ``stop`` (rank 0 got Shutdown, or lost the orchestrator): all exit 0;
+- a wait on the others longer than `collective_timeout_s` (one engine step),
+  or `connect_timeout_s` (joining): the `Watchdog` ends the rank with
+  `EXIT_COLLECTIVE_TIMEOUT`;
+- a failed collective (a peer is gone) or a failed engine step: `abort`,
+  exit `EXIT_GROUP_FAILED`; a step that failed on one rank may not have
+  failed on the others, so the ranks can no longer be trusted to agree;
+- a rank whose orchestrator is gone (stdin EOF) waits `EOF_GRACE_S` for rank
+  0's stop, then exits.
+
+Any rank's exit makes the orchestrator stop the whole group: one `WorkerDied`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..ipc.channel import ChannelClosed, Receiver, Sender
+from ..ipc.protocol import (
+    EXIT_COLLECTIVE_TIMEOUT,
+    EXIT_GROUP_FAILED,
+    Fatal,
+    GroupRank,
+    Ready,
+    Stats,
+    Step,
+    step_codec,
+    worker_codec,
+)
+from .main import Server
+
+#: A step's frame up to this size (with its 4-byte length) costs one all_sum: every decode step's,
+#: and a new request's unless its prompt is long.
+HEAD_BYTES = 4096
+#: A rank whose orchestrator is gone waits this long for rank 0's stop before it exits alone.
+EOF_GRACE_S = 5.0
+_EMPTY = Step()
+
+
+class GroupError(RuntimeError):
+    """This rank cannot join its group, or the model cannot be sharded as asked."""
+
+
+class Watchdog:
+    """Ends the process when one wait on the other ranks lasts longer than its limit
+    (`timeout_s`, or the one `arm` was given).
+
+    A rank blocked in a collective cannot be interrupted from Python; exiting is what
+    frees it, and tells the orchestrator (its pipe closes).
+    """
+
+    def __init__(self, timeout_s: float, expire: Callable[[str, float], None]) -> None:
+        self.timeout_s = timeout_s
+        self._expire = expire
+        self._since: float | None = None
+        self._what = ""
+        self._limit = timeout_s
+        threading.Thread(target=self._watch, name="mlxrt-watchdog", daemon=True).start()
+
+    def arm(self, what: str, timeout_s: float | None = None) -> None:
+        self._what = what
+        self._limit = self.timeout_s if timeout_s is None else timeout_s
+        self._since = time.monotonic()
+
+    def disarm(self) -> None:
+        self._since = None
+
+    def _watch(self) -> None:
+        tick = min(1.0, self.timeout_s / 4)
+        while True:
+            time.sleep(tick)
+            since = self._since
+            if since is not None and time.monotonic() - since > self._limit:
+                self._expire(self._what, self._limit)
+
+
+class Group:
+    """This process's rank of a worker group, and the collectives the engine's lockstep needs."""
+
+    def __init__(self, spec: GroupRank, world, backend: str, log, watchdog: Watchdog) -> None:
+        self.spec = spec
+        self.world = world
+        self.rank = world.rank()
+        self.size = world.size()
+        self.backend = backend
+        self.watchdog = watchdog
+        self._log = log
+        self._codec = step_codec()
+
+    # -- what the engine asks of the group --------------------------------------------------
+    def load(self, path: str):
+        """Load this rank's shard with mlx-lm's `sharded_load`: (model, tokenizer, config)."""
+        from mlx_lm.utils import sharded_load
+
+        mode = plan_sharding(path, self.spec.sharding, self.size)
+        world = self.world
+        return sharded_load(path, pipeline_group=world if mode == "pipeline" else None,
+                            tensor_group=world if mode == "tensor" else None, return_config=True)
+
+    def total(self, n: int) -> int:
+        """The sum of `n` over the ranks (every rank calls this at the same point)."""
+        import mlx.core as mx
+
+        return int(self._all_sum(mx.array([n], dtype=mx.int64)).item())
+
+    def abort(self, exc: BaseException) -> None:
+        """A collective or an engine step failed: end this rank, and with it the group."""
+        self._log.error("group.failed", rank=self.rank, error=repr(exc),
+                        traceback="".join(traceback.format_exception(exc)))
+        sys.stderr.flush()
+        os._exit(EXIT_GROUP_FAILED)
+
+    def agree_seed(self) -> int:
+        """Rank 0's random seed, for every rank."""
+        import mlx.core as mx
+
+        mine = secrets.randbits(62) if self.rank == 0 else 0
+        return int(self._all_sum(mx.array([mine], dtype=mx.int64)).item())
+
+    def _all_sum(self, x):
+        """On the stream the model runs on: a rank's collectives must meet the others' in program
+        order, and a token already queued (`mx.async_eval`) holds the model's own on that stream."""
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
+        return mx.distributed.all_sum(x, group=self.world, stream=generation_stream)
+
+    # -- serving ----------------------------------------------------------------------------
+    def leader(self, engine, outbox) -> LeaderServer:
+        """Rank 0's server: a single worker's, each engine step shared with the other ranks."""
+        return LeaderServer(engine, outbox, self)
+
+    def follow(self, engine, tx: Sender, ready: Ready, rx: Receiver) -> None:
+        """Rank k > 0: tell the orchestrator it is ready, then do what rank 0 does, step by step,
+        until rank 0 says stop. Never returns."""
+        tx.send(worker_codec().encode(ready))
+        threading.Thread(target=_exit_after_eof, args=(rx, self._log), name="mlxrt-eof",
+                         daemon=True).start()
+        drop = _Drop()
+        dog = self.watchdog
+        lockstep = Lockstep(self)
+        try:
+            while True:
+                dog.arm("waiting for rank 0's next step")
+                step = lockstep.exchange(None)
+                if step.stop:
+                    break
+                apply_step(engine, step, drop)
+                engine.step()
+                dog.disarm()
+        except Exception as exc:  # a peer is gone: the collective failed
+            self.abort(exc)
+        dog.disarm()
+        engine.cancel_all()
+        self._log.info("worker.exit", rank=self.rank)
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class Lockstep:
+    """Rank 0's steps, handed to every rank one iteration late, so that rank 0 never waits for it.
+
+    Each iteration every rank calls `exchange` once, then applies what it returns and steps
+    its engine. ``exchange(step)`` queues this iteration's share of rank 0's `step` (an
+    all_sum of `HEAD_BYTES`: rank 0's frame, zeros from the others, evaluated asynchronously)
+    and returns the step shared the iteration before. A rank reads that one only now, when
+    it is done: it sits on the model's stream between the token the last engine step read
+    and the one it queued (`mx.async_eval`), so reading it makes no rank wait for the model,
+    and rank 0, which knows its own steps, reads nothing. A frame longer than the head goes
+    in a second all_sum at the start of the next iteration, on every rank in the same
+    place: the others learn its length only from the head.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self._group = group
+        self._lead = group.rank == 0
+        self._codec = step_codec()
+        #: The last iteration's share: its all_sum (in flight), rank 0's step and frame.
+        self._head = None
+        self._step: Step = _EMPTY
+        self._payload = b""
+        self._keep: tuple = ()
+
+    def exchange(self, step: Step | None) -> Step:
+        """Share `step` (rank 0; None: nothing to do; the others pass None); return the step the
+        last iteration shared, to apply now. A stop step ends the exchange (nothing more is shared)."""
+        import mlx.core as mx
+
+        previous = self._finish()
+        if previous.stop:
+            return previous
+        payload = self._codec.encode(step) if self._lead and step is not None else b""
+        head = np.zeros(HEAD_BYTES, np.uint8)
+        if self._lead:
+            head[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), np.uint8)
+            part = payload[: HEAD_BYTES - 4]
+            head[4 : 4 + len(part)] = np.frombuffer(part, np.uint8)
+        self._head = self._group._all_sum(mx.array(head))
+        mx.async_eval(self._head)
+        self._keep = (self._head, *self._keep[:1])  # rank 0 reads none of its shares: hold them a while
+        self._step, self._payload = step or _EMPTY, payload
+        return previous
+
+    def _finish(self) -> Step:
+        """The step shared last iteration: its tail exchanged if it was long, decoded on ranks k > 0."""
+        import mlx.core as mx
+
+        if self._head is None:
+            return _EMPTY
+        room = HEAD_BYTES - 4
+        if self._lead:
+            n = len(self._payload)
+            if n > room:
+                tail = self._group._all_sum(mx.array(np.frombuffer(self._payload[room:], np.uint8)))
+                mx.async_eval(tail)
+                self._keep = (tail, *self._keep)
+            self._head = None
+            return self._step
+        got = np.array(self._head)
+        self._head = None
+        n = int.from_bytes(got[:4].tobytes(), "little")
+        if n == 0:
+            return _EMPTY
+        data = got[4 : 4 + min(n, room)].tobytes()
+        if n > room:
+            data += np.array(self._group._all_sum(mx.zeros(n - room, mx.uint8))).tobytes()
+        return self._codec.decode(data)
+
+
+class _Expiry:
+    """What the watchdog does when it fires: log, tell the orchestrator with a Fatal while it
+    still waits for this rank's Ready (`tx`), exit."""
+
+    def __init__(self, spec: GroupRank, log, tx: Sender | None) -> None:
+        self.spec, self.log, self.tx = spec, log, tx
+
+    def __call__(self, what: str, limit_s: float) -> None:
+        spec = self.spec
+        why = (f"rank {spec.rank} of {spec.size} waited more than {limit_s:g} s on the other ranks "
+               f"({what}; set MLXRT_COLLECTIVE_TIMEOUT_S)")
+        self.log.error("group.collective_timeout", reason=why)
+        tx = self.tx
+        if tx is not None:
+            try:
+                tx.send(worker_codec().encode(Fatal(error_type="GroupTimeout", message=why)), timeout=1.0)
+            except (ChannelClosed, TimeoutError, OSError):
+                pass
+        sys.stderr.flush()
+        os._exit(EXIT_COLLECTIVE_TIMEOUT)
+
+
+class LeaderServer(Server):
+    """Rank 0's `Server`: each engine step's work goes to every rank (`Lockstep`), and every rank,
+    this one included, applies it at the next iteration."""
+
+    def __init__(self, engine, outbox, group: Group) -> None:
+        super().__init__(engine, outbox)
+        self._group = group
+
+    def serve_forever(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # a collective failed: a peer is gone
+            self._group.abort(exc)
+
+    def _serve(self) -> None:
+        engine, group = self._engine, self._group
+        dog = group.watchdog
+        heartbeat = group.spec.heartbeat_s
+        lockstep = Lockstep(group)
+        last_inbox: list = []  # the requests of the step shared last iteration, with their arrival
+        last_work = False  # that step had work: apply it at once, without waiting for more
+        while True:
+            with self._cond:
+                if not (self._inbox or self._cancels or self._stopping or self._clear_cache or engine.busy
+                        or last_work):
+                    self._cond.wait(heartbeat)  # then an empty step: the others know rank 0 lives
+                inbox, self._inbox = self._inbox, deque()
+                cancels, self._cancels = self._cancels, []
+                clear, self._clear_cache = self._clear_cache, False
+                stopping = self._stopping
+            work = bool(inbox or cancels or clear or stopping)
+            mine = Step(generate=[r for r, _ in inbox], cancel=cancels, clear_cache=clear, stop=stopping)
+            dog.arm("an iteration of the group")
+            step = lockstep.exchange(mine if work else None)
+            if step.stop:
+                dog.disarm()
+                self._end_all(last_inbox + list(inbox))
+                return
+            apply_step(engine, step, self, arrived={r.id: t for r, t in last_inbox})
+            last_inbox, last_work = list(inbox), work
+            engine.step()
+            dog.disarm()
+
+
+def apply_step(engine, step: Step, listener, arrived: dict[int, float] | None = None) -> None:
+    """Do to `engine` what rank 0 shared, in the same order on every rank (`arrived`: when rank 0
+    got each request, for its stats)."""
+    if step.clear_cache:
+        engine.clear_cache()
+    for req in step.generate:
+        engine.submit(req, listener, queued_at=(arrived or {}).get(req.id))
+    for req_id in step.cancel:
+        engine.cancel(req_id)
+
+
+class _Drop:
+    """The listener of ranks k > 0: rank 0 alone reports to the orchestrator."""
+
+    def started(self, req_id: int) -> None:
+        pass
+
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
+        pass
+
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
+        pass
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        pass
+
+
+def _exit_after_eof(rx: Receiver, log) -> None:
+    """Rank k > 0 gets nothing on its stdin; EOF there means the orchestrator is gone."""
+    try:
+        while True:
+            rx.recv()
+    except Exception:  # EOF, or a broken pipe: the same
+        pass
+    time.sleep(EOF_GRACE_S)  # rank 0 lost the orchestrator too, and normally stops the group first
+    log.warning("worker.orphaned")
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# -- joining ------------------------------------------------------------------------------------
+
+
+def join(spec: GroupRank, tx: Sender, log) -> Group:
+    """Set what `mlx.launch` would have set, start MLX's backend (within the collective timeout),
+    agree on a random seed. Raises `GroupError` when this rank cannot join.
+
+    Called before anything imports MLX: MLX reads some of these variables when it starts.
+    """
+    log = log.bind(rank=spec.rank)
+    written = _apply_env(spec)
+    try:
+        import mlx.core as mx
+
+        backend = resolve_backend(spec.backend)
+        expiry = _Expiry(spec, log, tx)
+        dog = Watchdog(spec.collective_timeout_s, expiry)
+        dog.arm(f"connecting over {backend}", spec.connect_timeout_s)
+        try:
+            world = mx.distributed.init(strict=True, backend=backend)
+        except RuntimeError as exc:
+            raise GroupError(f"rank {spec.rank} could not start MLX's {backend!r} backend: {exc}") from exc
+        if (world.rank(), world.size()) != (spec.rank, spec.size):
+            raise GroupError(f"MLX's {backend!r} backend made this process rank {world.rank()} of "
+                             f"{world.size()}; the orchestrator meant rank {spec.rank} of {spec.size}")
+        from .sequence import share_seeds
+
+        group = Group(spec, world, backend, log, dog)
+        share_seeds(group.agree_seed())
+        dog.disarm()
+        expiry.tx = None  # from now on the orchestrator learns of a timeout from the exit code
+        log.info("group.joined", size=world.size(), backend=backend)
+        return group
+    finally:
+        for path in written:
+            Path(path).unlink(missing_ok=True)
+
+
+def resolve_backend(backend: str) -> str:
+    """`backend`, or for "auto" `mlx.launch`'s choice (nccl where CUDA is, else ring); `GroupError`
+    if this MLX cannot run it here."""
+    import mlx.core as mx
+
+    if backend == "auto":
+        backend = "nccl" if mx.cuda.is_available() else "ring"
+    backend = "jaccl" if backend == "jaccl-ring" else backend  # the ring is MLX_JACCL_RING=1
+    if not mx.distributed.is_available(backend):
+        raise GroupError(
+            f"backend {backend!r} is not available in this MLX build on {platform.system()} "
+            f"(mx.distributed.is_available({backend!r}) is False); ring runs everywhere, jaccl needs "
+            "macOS with RDMA over Thunderbolt, nccl needs MLX's CUDA build"
+        )
+    return backend
+
+
+def _apply_env(spec: GroupRank) -> list[str]:
+    """Set `spec.env`, and write each of `spec.files` to a temporary file its variable names;
+    return the files' paths (MLX reads them while it starts its backend)."""
+    os.environ.update(spec.env)
+    written = []
+    for var, content in spec.files.items():
+        fd, path = tempfile.mkstemp(prefix=f"mlxrt-{var.lower()}-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+        os.environ[var] = path
+        written.append(path)
+    return written
+
+
+def plan_sharding(path: str, sharding: str, size: int) -> str:
+    """"tensor" or "pipeline" for this model over `size` ranks; `GroupError` naming the reason when
+    the model cannot be split that way.
+
+    "auto" is `sharded_load`'s choice (tensor parallel where mlx-lm's model has `shard`, else
+    pipeline), except that a model whose attention heads do not divide among the ranks goes
+    to the pipeline where it can.
+    """
+    import json
+
+    from mlx_lm.utils import load_model
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():  # a hub id mlx-lm downloads: let sharded_load choose and check
+        return "auto"
+    config = json.loads(config_file.read_text())
+    kind = config.get("model_type", "?")
+    model, _ = load_model(Path(path), lazy=True, strict=False)  # no weight is read: as sharded_load does
+    tensor_ok = hasattr(model, "shard")
+    pipeline_ok = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    text = {**config.get("text_config", {}), **config}
+    uneven = next((f"{f}={text[f]}" for f in ("num_attention_heads", "num_key_value_heads")
+                   if isinstance(text.get(f), int) and text[f] % size), None)
+    if sharding == "auto":
+        if not (tensor_ok or pipeline_ok):
+            raise GroupError(f"model {path} ({kind}) cannot be sharded: mlx-lm's {kind} has neither "
+                             "tensor parallelism (`shard`) nor pipeline parallelism (`pipeline`)")
+        sharding = "tensor" if tensor_ok and not (uneven and pipeline_ok) else "pipeline"
+    if sharding == "tensor":
+        if not tensor_ok:
+            hint = "; try sharding='pipeline'" if pipeline_ok else ""
+            raise GroupError(f"model {path} ({kind}) cannot be sharded by tensor parallelism: "
+                             f"mlx-lm's {kind} has no `shard`{hint}")
+        if uneven:
+            raise GroupError(f"model {path} cannot be sharded over {size} ranks by tensor "
+                             f"parallelism: {uneven} is not a multiple of {size}")
+        return "tensor"
+    if not pipeline_ok:
+        hint = "; try sharding='tensor'" if tensor_ok else ""
+        raise GroupError(f"model {path} ({kind}) cannot be sharded by pipeline parallelism: "
+                         f"mlx-lm's {kind} has no `pipeline`{hint}")
+    layers = len(model.layers)
+    if layers < size:
+        raise GroupError(f"model {path} has {layers} layers: too few for a pipeline of {size} ranks")
+    return "pipeline"
