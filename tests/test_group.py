@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 from conftest import assert_stopped
-from mlxrt import Group, ModelLoadError, Runtime, Supervision, Timeouts, WorkerDied
+from mlxrt import Group, ModelLoadError, ModelSpec, Runtime, Supervision, Timeouts, WorkerDied
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.orchestrator.launch import GroupPlan, HostEntry
 from mlxrt.orchestrator.runtime import build_request
@@ -198,6 +198,15 @@ def test_a_model_that_cannot_be_sharded_so_is_a_clear_error():
     """A model mlx-lm cannot split the way asked (Llama has no pipeline): ModelLoadError saying why."""
     with pytest.raises(ModelLoadError, match="cannot be sharded by pipeline parallelism.*sharding='tensor'"):
         run_with_deadline(lambda: Runtime(model="synthetic:tiny-llama", ranks=2, sharding="pipeline",
+                                          transport="stdio", supervision=Supervision(restart=False)), 120)
+
+
+def test_options_sharded_load_cannot_honour_are_a_clear_error(tiny_model):
+    """A template override (or an adapter, or a draft) is not applied by sharded_load: the group
+    refuses it at load, naming the option, rather than serving without it."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ModelLoadError, match="chat_template: not supported for a worker group"):
+        run_with_deadline(lambda: Runtime(model=ModelSpec(tiny_model, chat_template=template), ranks=2,
                                           transport="stdio", supervision=Supervision(restart=False)), 120)
 
 
