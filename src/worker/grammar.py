@@ -2,14 +2,17 @@
 
 ::
 
-    reader thread                        MLX thread, each batch step, per constrained sequence
-    Generate with params.grammar         Constraint(tokens, logits):
-      -> GrammarCache.prepare()            start the forward pass (async_eval), then on the CPU:
-         compile against the tokenizer     advance the matcher by the token sampled last step,
-         (llguidance drops the GIL),       compute its token bitmask for the next one,
-         keep the pristine matcher         mask the logits with MLX ops (-inf where not allowed)
-    Engine.submit -> GrammarCache.matcher(): a copy of the cached matcher (a compile error fails
-                                              the request alone, at admission)
+    reader thread                        MLX thread, each batch step
+    Generate with params.grammar         Engine.step -> StepMasks.plan(the decoding rows whose grammar
+      -> GrammarCache.prepare()            consumes last step's token, and those tokens, unread)
+         compile against the tokenizer   the first planned Constraint(tokens, logits) -> StepMasks:
+         (llguidance drops the GIL),       read the tokens (one sync), start the forward pass
+         keep the pristine matcher         (async_eval), then on the CPU: advance every matcher and
+    Engine.submit -> GrammarCache          fill every bitmask (LLExecutor: its threads, no GIL),
+      .matcher(): a copy of the cached     expand them all at once (-inf where not allowed)
+      matcher (a compile error fails     every planned Constraint: its row's slice of that mask
+      the request alone, at admission)   any other Constraint (a first step, the single-stream
+                                           path): the same work for its own row
 
 The engine reads each constrained sequence's state after every token
 (`Constraint.finish_reason`): a grammar that is complete (nothing more can
