@@ -17,6 +17,7 @@ import sys
 
 import httpx
 import jsonschema
+import llguidance.numpy
 import pytest
 from mlxrt import Grammar, Runtime
 from mlxrt.ipc.protocol import GRAMMAR_DEAD_END, EngineOptions, Generate, SamplingParams
@@ -231,6 +232,55 @@ def test_dead_end_ends_with_its_finish_reason(engine, monkeypatch):
     monkeypatch.undo()
     again = run(engine, [gen(3, "Hello", SCHEMAS[16])])
     assert_matches(again.text[3], SCHEMAS[16], again.stats[3].finish_reason)
+
+
+def test_batch_masks_are_the_per_row_masks(engine, monkeypatch):
+    """A batch of constrained and plain rows, some ending mid-batch, gives the same ids and endings
+    with the step's masks computed for all rows at once as with each row masking itself."""
+    reqs = [gen(300 + i, PROMPTS[i % 3], SCHEMAS[(5 * i) % len(SCHEMAS)] if i % 3 else None,
+                max_tokens=12 + 5 * i, ignore_eos=not i % 3) for i in range(9)]
+    before = engine.masks.batched_rows
+    batched = run(engine, reqs)
+    after = engine.masks.batched_rows
+    assert after > before  # the batch path ran, not only the per-row one
+    monkeypatch.setattr(engine, "_plan_masks", lambda: None)
+    per_row = run(engine, reqs)
+    assert engine.masks.batched_rows == after  # and this time it did not
+    for r in reqs:
+        assert batched.ids[r.id] == per_row.ids[r.id], r.id
+        assert batched.stats[r.id].finish_reason == per_row.stats[r.id].finish_reason, r.id
+
+
+def test_dead_end_in_a_batch_step_ends_that_row_alone(engine, monkeypatch):
+    """A grammar whose batch-computed mask allows nothing ends its request with grammar_dead_end,
+    unsent; the other constrained row of the same steps goes on to a valid reply."""
+    real = llguidance.numpy.fill_next_token_bitmask_par
+    calls = {"n": 0}
+
+    def fill(executor, matchers, words):
+        real(executor, matchers, words)
+        calls["n"] += 1
+        if calls["n"] >= 3:  # from the third batch step on, the first request's grammar allows nothing
+            for matcher, row in matchers:
+                if matcher is doomed[0]:
+                    words[row] = 0
+
+    doomed: list = []
+    constraint = engine.grammars.constraint
+
+    def first_doomed(grammar):
+        con = constraint(grammar)
+        if not doomed:
+            doomed.append(con.matcher)
+        return con
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", fill)
+    monkeypatch.setattr(engine.grammars, "constraint", first_doomed)
+    rec = run(engine, [gen(1, "Hello", SCHEMAS[16], ignore_eos=True), gen(2, "Hello", SCHEMAS[15]),
+                       gen(3, "Hi", max_tokens=8, ignore_eos=True)])
+    assert rec.stats[1].finish_reason == GRAMMAR_DEAD_END and rec.text[1].startswith("{")
+    assert_matches(rec.text[2], SCHEMAS[15], rec.stats[2].finish_reason)
+    assert len(rec.ids[3]) == 8
 
 
 def test_grammar_cache_compiles_once(engine):

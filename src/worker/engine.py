@@ -73,7 +73,7 @@ from ..ipc.protocol import (
 )
 from .choices import Group
 from .forced import tool_call_grammar
-from .grammar import GrammarCache
+from .grammar import GrammarCache, StepMasks
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .logprobs import TokenBytes, token_logprobs
 from .prefix_cache import PrefixCache
@@ -185,6 +185,7 @@ class Engine:
         self._seed_prefix_cache()
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
+        self.masks = StepMasks()
         self.token_bytes = TokenBytes(self.tokenizer, self.grammars)
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
@@ -273,12 +274,15 @@ class Engine:
             return
         if not self._running:
             return
+        self._plan_masks()
         try:
             prompt_responses, gen_responses = self._batch.next()
         except Exception as exc:
             reseed()
             self._fail_batch(exc)
             return
+        finally:
+            self.masks.clear()
         for r in prompt_responses:
             if r.end_of_segment and not r.end_of_prompt:
                 self._checkpoint(self._running[r.uid])
@@ -705,6 +709,23 @@ class Engine:
         if seq.leads is not None:
             self._leaders.pop(seq.leads, None)
             seq.leads = None
+
+    def _plan_masks(self) -> None:
+        """Name the decoding rows whose grammar consumes the token sampled last step, with those tokens
+        (not yet read), so that the step's first grammar row advances and masks them all at once."""
+        gen = getattr(self._batch, "_generation_batch", None)  # mlx-lm's decoding rows, in step order
+        pending = getattr(gen, "_next_tokens", None)
+        uids = getattr(gen, "uids", None)
+        if not isinstance(pending, mx.array) or uids is None or pending.shape[:1] != (len(uids),):
+            return  # no decoding rows (or an mlx-lm that keeps them otherwise): each row masks itself
+        rows, where = [], []
+        for i, uid in enumerate(uids):
+            seq = self._running.get(uid)
+            if seq is not None and seq.constraint is not None and seq.constraint.batchable:
+                rows.append(seq.constraint)
+                where.append(i)
+        if rows:
+            self.masks.plan(rows, pending[mx.array(where)])
 
     def _deliver(self, responses: list) -> None:
         if self._with_logprobs:

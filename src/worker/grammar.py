@@ -2,14 +2,17 @@
 
 ::
 
-    reader thread                        MLX thread, each batch step, per constrained sequence
-    Generate with params.grammar         Constraint(tokens, logits):
-      -> GrammarCache.prepare()            start the forward pass (async_eval), then on the CPU:
-         compile against the tokenizer     advance the matcher by the token sampled last step,
-         (llguidance drops the GIL),       compute its token bitmask for the next one,
-         keep the pristine matcher         mask the logits with MLX ops (-inf where not allowed)
-    Engine.submit -> GrammarCache.matcher(): a copy of the cached matcher (a compile error fails
-                                              the request alone, at admission)
+    reader thread                        MLX thread, each batch step
+    Generate with params.grammar         Engine.step -> StepMasks.plan(the decoding rows whose grammar
+      -> GrammarCache.prepare()            consumes last step's token, and those tokens, unread)
+         compile against the tokenizer   the first planned Constraint(tokens, logits) -> StepMasks:
+         (llguidance drops the GIL),       read the tokens (one sync), start the forward pass
+         keep the pristine matcher         (async_eval), then on the CPU: advance every matcher and
+    Engine.submit -> GrammarCache          fill every bitmask (LLExecutor: its threads, no GIL),
+      .matcher(): a copy of the cached     expand them all at once (-inf where not allowed)
+      matcher (a compile error fails     every planned Constraint: its row's slice of that mask
+      the request alone, at admission)   any other Constraint (a first step, the single-stream
+                                           path): the same work for its own row
 
 The engine reads each constrained sequence's state after every token
 (`Constraint.finish_reason`): a grammar that is complete (nothing more can
@@ -29,6 +32,7 @@ import threading
 from collections import OrderedDict
 
 import llguidance
+import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
@@ -165,19 +169,93 @@ class MaskIndex:
             index = cls._by_width[width] = cls(width)
         return index
 
+    def allowed(self, words: np.ndarray) -> mx.array:
+        """Bitmask words (rows, words) as booleans (rows, width): one gather and one `and` for all rows."""
+        return (mx.take(mx.array(words.view(np.uint32)), self.word, axis=1) & self.bit) != 0
+
+
+class StepMasks:
+    """One batch step's grammar work for all its constrained rows, done at once (`Engine.step`).
+
+    Before a batch step the engine names the rows whose constraint will consume the token sampled
+    last step (`plan`). The first of their processors to run reads those tokens in one sync, lets
+    the forward pass start, then advances every matcher and fills every bitmask through llguidance's
+    executor (its threads, without the GIL), and expands all the bitmasks at once; each row's
+    processor then masks its logits with its slice. A constraint not in the plan (a row's first
+    step, the single-stream path, a matcher llguidance's executor cannot take) does its own row.
+    """
+
+    def __init__(self) -> None:
+        self._executor: llguidance.LLExecutor | None = None
+        self._rows: list[Constraint] = []
+        self._tokens: mx.array | None = None
+        self._allowed: dict[int, mx.array] = {}  # id(constraint) -> its (1, width) row, this step
+        #: Rows masked through the batch path, all steps (tests check it is taken).
+        self.batched_rows = 0
+
+    def plan(self, rows: list[Constraint], tokens: mx.array | None) -> None:
+        """This step's constraints and the tokens they consume (`tokens[i]` for `rows[i]`, lazy)."""
+        self._rows, self._tokens, self._allowed = rows, tokens, {}
+        for con in rows:
+            con.planned = self
+
+    def clear(self) -> None:
+        """The step is over (or failed): nothing planned is left for the next one."""
+        for con in self._rows:
+            con.planned = None
+        self._rows, self._tokens, self._allowed = [], None, {}
+
+    def mask(self, con: Constraint, logits: mx.array) -> mx.array:
+        """`con`'s row of logits masked with this step's mask, the whole step's work done on first use."""
+        if self._tokens is not None:
+            self._run(logits)
+        con.planned = None
+        allowed = self._allowed.get(id(con))
+        return logits if allowed is None else mx.where(allowed, logits, -mx.inf)
+
+    def _run(self, logits: mx.array) -> None:
+        rows, tokens = self._rows, self._tokens
+        assert tokens is not None
+        self._tokens = None
+        # The tokens first, then the forward pass: on MLX's CPU backend (one stream) reading the
+        # tokens after queueing the forward pass would wait for it. The masks are computed meanwhile.
+        last = tokens.tolist()
+        mx.async_eval(logits)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        ok = llguidance.numpy.consume_token_par(
+            self._executor, [(c.matcher, t) for c, t in zip(rows, last, strict=True)])
+        live = [i for i, good in enumerate(ok) if good]
+        for i in set(range(len(rows))) - set(live):
+            rows[i].reject(last[i])
+        words = np.zeros((len(live), rows[0].n_words), dtype=np.int32) if live else None
+        if words is not None:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self._executor, [(rows[i].matcher, j) for j, i in enumerate(live)], words)
+            masked = [j for j, i in enumerate(live) if rows[i].check(words[j])]
+            if masked:
+                allowed = MaskIndex.of(logits.shape[-1]).allowed(words[masked])
+                for k, j in enumerate(masked):
+                    self._allowed[id(rows[live[j]])] = allowed[k : k + 1]
+        self.batched_rows += len(self._allowed)
+
 
 class Constraint:
     """One sequence's grammar: a logits processor that masks what the grammar forbids.
 
     mlx-lm calls it once per step with the sequence's tokens and the step's
     logits; the last token is the one sampled at the previous step (the
-    first call's is the prompt's last, which the grammar does not see).
+    first call's is the prompt's last, which the grammar does not see). In a
+    batch step the engine has planned, the mask comes from `StepMasks`.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, n_vocab: int) -> None:
         self.matcher = matcher
-        self._words = np.zeros((n_vocab + 31) // 32, dtype=np.uint32)
-        self._started = False
+        self.n_words = (n_vocab + 31) // 32
+        self._words = np.zeros(self.n_words, dtype=np.uint32)
+        self.started = False
+        #: The step's `StepMasks` while this row is in its plan.
+        self.planned: StepMasks | None = None
         #: Set when the grammar rejected the last token: it must not reach the reply.
         self.rejected = False
         #: Why the grammar cannot go on (llguidance's message), once it cannot.
@@ -190,21 +268,35 @@ class Constraint:
             return GRAMMAR_DEAD_END
         return "stop" if self.matcher.is_stopped() else None
 
+    @property
+    def batchable(self) -> bool:
+        """Whether `StepMasks` can advance this row: started, still going, a matcher llguidance runs."""
+        return self.started and not self.error and isinstance(self.matcher, llguidance.LLMatcher)
+
+    def reject(self, token: int) -> None:
+        """The grammar refused `token`: note why (the row gets no mask; the engine ends it unsent)."""
+        self.rejected = True
+        self.error = self.matcher.get_error() or f"the grammar rejected token {token}"
+
+    def check(self, words: np.ndarray) -> bool:
+        """Whether `words`, this row's new bitmask, allows a token; if not, note the dead end."""
+        if self.matcher.is_error() or not words.any():
+            self.error = self.matcher.get_error() or "the grammar allows no next token"
+            return False
+        return True
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.planned is not None:
+            return self.planned.mask(self, logits)
         m = self.matcher
-        # The last token first, then the forward pass: on a single stream (MLX's CPU backend) reading
-        # the token after queueing the forward pass would wait for it. The mask is computed meanwhile.
-        last = int(tokens[-1].item()) if self._started else None
+        # The last token first, then the forward pass (see `StepMasks._run`).
+        last = int(tokens[-1].item()) if self.started else None
         mx.async_eval(logits)
         if last is not None and not m.consume_token(last):
-            self.rejected = True
-            self.error = m.get_error() or f"the grammar rejected token {last}"
+            self.reject(last)
             return logits
-        self._started = True
+        self.started = True
         m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        if m.is_error() or not self._words.any():
-            self.error = m.get_error() or "the grammar allows no next token"
+        if not self.check(self._words):
             return logits  # the engine ends the sequence before this step's token is sent
-        index = MaskIndex.of(logits.shape[-1])
-        allowed = (mx.take(mx.array(self._words), index.word) & index.bit) != 0
-        return mx.where(allowed, logits, -mx.inf)
+        return mx.where(MaskIndex.of(logits.shape[-1]).allowed(self._words[None]), logits, -mx.inf)
