@@ -207,7 +207,7 @@ DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # a laptop's share: ~18k tokens of a 7B model's KV
-#: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: well under 1 GB).
+#: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: under 1 GB).
 DEFAULT_EMBED_BATCH_TOKENS = 16384
 #: mlx_lm.server's defaults for the same options.
 DEFAULT_NUM_DRAFT_TOKENS = 3
