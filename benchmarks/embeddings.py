@@ -12,9 +12,11 @@ out on both sides. Scenarios, in interleaved rounds after one unmeasured round:
 - ``mlxrt-b32``: 32 inputs per request;
 - ``mlxrt-c32``: 32 requests of one input each in flight at once (the worker batches across requests).
 
-Figures are inputs/s and tokens/s, median [min-max] over rounds; every vector is checked against
-native-b1's (max abs difference; beyond `GATE_ABS_DIFF` the run exits 1). Tables go to stdout; its
-last line is one JSON document.
+Figures are inputs/s and tokens/s, median [min-max] over rounds, and forward passes per 32 inputs
+(native's by construction, mlxrt's from the worker's per-request ``mean_batch_size``: a request of n
+inputs at a mean of m per pass, alone in its passes or one of m single-input requests in each, adds
+n / m passes); every vector is checked against native-b1's (max abs difference; beyond
+`GATE_ABS_DIFF` the run exits 1). Tables go to stdout; its last line is one JSON document.
 """
 
 from __future__ import annotations
@@ -68,21 +70,29 @@ def native_embed(model, rows: list[list[int]]) -> np.ndarray:
     return np.array(last / mx.linalg.norm(last, axis=-1, keepdims=True))
 
 
-def native(model, inputs: list[list[int]], batch: int) -> np.ndarray:
-    return np.concatenate([native_embed(model, inputs[i : i + batch]) for i in range(0, len(inputs), batch)])
+def native(model, inputs: list[list[int]], batch: int) -> tuple[np.ndarray, float]:
+    """The vectors, and the forward passes they took."""
+    parts = [native_embed(model, inputs[i : i + batch]) for i in range(0, len(inputs), batch)]
+    return np.concatenate(parts), float(len(parts))
 
 
-async def mlxrt(rt: AsyncRuntime, inputs: list[list[int]], batch: int, concurrency: int) -> np.ndarray:
+async def mlxrt(rt: AsyncRuntime, inputs: list[list[int]], batch: int,
+                concurrency: int) -> tuple[np.ndarray, float]:
+    """The vectors, and the forward passes the worker ran for them (from each request's mean pass size)."""
     if concurrency == 1:
-        parts = [await rt.embed(inputs[i : i + batch]) for i in range(0, len(inputs), batch)]
-        return np.concatenate(parts)
-    gate = asyncio.Semaphore(concurrency)
+        found = [await rt.embed_result(inputs[i : i + batch]) for i in range(0, len(inputs), batch)]
+        vectors = np.concatenate([f.vectors for f in found])
+    else:
+        gate = asyncio.Semaphore(concurrency)
 
-    async def one(ids: list[int]) -> np.ndarray:
-        async with gate:
-            return await rt.embed(ids)
+        async def one(ids: list[int]):
+            async with gate:
+                return await rt.embed_result(ids)
 
-    return np.stack(await asyncio.gather(*(one(ids) for ids in inputs)))
+        found = await asyncio.gather(*(one(ids) for ids in inputs))
+        vectors = np.stack([f.vectors for f in found])
+    passes = sum(len(np.atleast_2d(f.vectors)) / f.stats.mean_batch_size for f in found)
+    return vectors, passes
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,7 +104,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
               for n in rng.integers(MIN_TOKENS, MAX_TOKENS + 1, args.inputs)]
     tokens = sum(len(r) for r in inputs)
     model = native_model(path)
-    expected = native(model, inputs, 1)
+    expected, _ = native(model, inputs, 1)
     async with AsyncRuntime(path, transport=args.transport) as rt:
         scenarios: dict[str, Callable[[], Any]] = {
             "native-b1": lambda: native(model, inputs, 1),
@@ -104,6 +114,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"mlxrt-c{CONCURRENCY}": lambda: mlxrt(rt, inputs, 1, CONCURRENCY),
         }
         seconds: dict[str, list[float]] = {name: [] for name in scenarios}
+        passes: dict[str, list[float]] = {name: [] for name in scenarios}
         worst: dict[str, float] = {}
         for r in range(args.rounds + 1):
             for name, scenario in scenarios.items():
@@ -112,28 +123,33 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if asyncio.iscoroutine(out):
                     out = await out
                 elapsed = time.perf_counter() - t0
-                worst[name] = max(worst.get(name, 0.0), float(np.abs(out - expected).max()))
+                vectors, n_passes = out
+                worst[name] = max(worst.get(name, 0.0), float(np.abs(vectors - expected).max()))
                 if r:
                     seconds[name].append(elapsed)
+                    passes[name].append(n_passes)
                 print(f"round {r} {name}: {elapsed:.3f} s", file=sys.stderr)
-    return report(args, seconds, worst, tokens)
+    return report(args, seconds, passes, worst, tokens)
 
 
-def report(args: argparse.Namespace, seconds: dict[str, list[float]], worst: dict[str, float],
-           tokens: int) -> dict[str, Any]:
+def report(args: argparse.Namespace, seconds: dict[str, list[float]], passes: dict[str, list[float]],
+           worst: dict[str, float], tokens: int) -> dict[str, Any]:
     n = args.inputs
     base = statistics.median(seconds["native-b1"])
     print(f"{args.preset}, {n} inputs of {MIN_TOKENS}-{MAX_TOKENS} tokens ({tokens} in all), "
           f"{args.rounds} rounds, transport {args.transport}; median [min-max]")
-    print(f"{'scenario':12} {'inputs/s':>24} {'tokens/s':>26} {'x native-b1':>12} {'max |diff|':>11}")
+    print(f"{'scenario':12} {'inputs/s':>24} {'tokens/s':>26} {'x native-b1':>12} {'max |diff|':>11} "
+          f"{'passes/32':>10}")
     rows = {}
     for name, s in seconds.items():
         ips = [n / x for x in s]
         tps = [tokens / x for x in s]
-        rows[name] = {"inputs_per_s": ips, "tokens_per_s": tps, "max_abs_diff": worst[name]}
+        per32 = [p * BATCH / n for p in passes[name]]
+        rows[name] = {"inputs_per_s": ips, "tokens_per_s": tps, "max_abs_diff": worst[name],
+                      "passes_per_32_inputs": per32}
         print(f"{name:12} {statistics.median(ips):10.1f} [{min(ips):6.1f}-{max(ips):6.1f}] "
               f"{statistics.median(tps):11.0f} [{min(tps):6.0f}-{max(tps):6.0f}] "
-              f"{base / statistics.median(s):12.3f} {worst[name]:11.2e}")
+              f"{base / statistics.median(s):12.3f} {worst[name]:11.2e} {statistics.median(per32):10.2f}")
     result = {"preset": args.preset, "inputs": n, "tokens": tokens, "rounds": args.rounds,
               "transport": args.transport, "scenarios": rows, "env": describe()}
     print(json.dumps(result))

@@ -132,12 +132,13 @@ def _engine_options(args: argparse.Namespace):
     return msgspec.structs.replace(base, **given).validate()
 
 
-#: mlx_lm.server's flags for the same knobs, with the same names.
+#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens is mlxrt's own.
 ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
     "prompt_concurrency": "most prompts prefilled together per worker",
     "prefill_step_size": "prompt tokens per prefill step",
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse)",
+    "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",
 }
 
 #: Per-model options (docs/options.md), with mlx_lm.server's and mlx_lm.generate's flag names:

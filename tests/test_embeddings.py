@@ -17,6 +17,7 @@ from conftest import assert_stopped
 from mlxrt import AsyncRuntime, Runtime
 from mlxrt.ipc.protocol import Embed, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.embed import Embedder, EmbeddingSpec, embedding_spec
+from mlxrt.worker.embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU
 from mlxrt.worker.engine import ModelKindError
 from test_http import running
 
@@ -88,13 +89,17 @@ def test_embedding_models_are_recognised_by_sentence_transformers_files(emb_mode
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
-def test_padding_does_not_change_a_vector(emb_model, pooling):
-    """An input's vector is the same alone and right-padded in a batch beside longer inputs of its length
-    bucket, for every pooling; inputs longer than the pass budget (chunked) too."""
-    embedder = Embedder(emb_model, EmbeddingSpec(pooling, True), options=EngineOptions(prefill_step_size=64))
-    inputs = random_ids([9, 12, 16, 13, 3, 100, 150])
+@pytest.mark.parametrize(("max_waste", "passes"), [(MAX_WASTE_CPU, 6), (MAX_WASTE_GPU, 4)])
+def test_padding_does_not_change_a_vector(emb_model, pooling, max_waste, passes):
+    """An input's vector is the same alone and right-padded in a batch beside longer inputs, of its length
+    bucket or (as on a GPU) of merged neighbouring buckets, padded past the longest to a fixed width, for
+    every pooling; inputs longer than prefill_step_size (chunked) too."""
+    embedder = Embedder(emb_model, EmbeddingSpec(pooling, True), options=EngineOptions(prefill_step_size=64),
+                        max_waste=max_waste)
+    inputs = random_ids([9, 12, 16, 13, 3, 20, 40, 100, 150])
     together = embed_in_process(embedder, [inputs])[0]
-    assert embedder.rows > embedder.passes  # some passes carried several (padded) rows
+    # CPU: 9-16 together (width 16), then 3, 20, 40, 100, 150 alone; GPU: 9-16, 20 and 3 merged (width 24)
+    assert (embedder.passes, embedder.rows) == (passes, len(inputs))
     for i, ids in enumerate(inputs):
         alone = embed_in_process(embedder, [[ids]])[0][0]
         np.testing.assert_allclose(together[i], alone, rtol=0, atol=1e-6, err_msg=f"input {i}")
@@ -102,8 +107,9 @@ def test_padding_does_not_change_a_vector(emb_model, pooling):
 
 
 def test_concurrent_requests_share_forward_passes(emb_model):
-    """Inputs of different requests in one length bucket go through one pass; other buckets, and an input
-    over the pass budget, get passes of their own; the oldest input always goes in the next pass."""
+    """Inputs of different requests in one length bucket go through one pass; a bucket that would pad the
+    pass too much, and an input over prefill_step_size, get passes of their own; the oldest input always
+    goes in the next pass."""
     embedder = Embedder(emb_model, embedding_spec(emb_model), options=EngineOptions(prefill_step_size=64))
     short, other, long = random_ids([10, 12, 9]), random_ids([40]), random_ids([80])
     got = embed_in_process(embedder, [[ids] for ids in short] + [other, long])
@@ -319,7 +325,7 @@ def test_embeddings_without_the_right_model_name(http):
 
 def test_benchmark_runs_and_its_vectors_agree_with_native(capsys):
     """benchmarks/embeddings.py runs every scenario, ends with its JSON line, and every scenario's vectors
-    are native's (the benchmark's own gate)."""
+    are native's (the benchmark's own gate); it counts the forward passes each scenario took."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
         sys.path.insert(0, root)
@@ -329,4 +335,7 @@ def test_benchmark_runs_and_its_vectors_agree_with_native(capsys):
                          "--transport", "stdio"])
     assert set(result["scenarios"]) == {"native-b1", "native-b32", "mlxrt-b1", "mlxrt-b32", "mlxrt-c32"}
     assert all(s["max_abs_diff"] <= bench.GATE_ABS_DIFF for s in result["scenarios"].values())
+    passes = {name: s["passes_per_32_inputs"] for name, s in result["scenarios"].items()}
+    assert passes["native-b1"] == passes["mlxrt-b1"] == [32.0]  # one pass per input, counted by the worker
+    assert passes["native-b32"] == [32 / 6] and passes["mlxrt-b32"][0] <= passes["mlxrt-b1"][0]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(result))

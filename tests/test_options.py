@@ -47,6 +47,8 @@ BAD_OPTIONS = {
     "kv-group-head": ({"kv_bits": 8, "kv_group_size": 32}, ValueError, "must divide model .* head size, 16"),
     "max-kv-size-tiny": ({"max_kv_size": 4}, ValueError, "invalid max_kv_size=4: must be >= 8"),
     "num-draft-0": ({"num_draft_tokens": 0}, ValueError, r"invalid num_draft_tokens=0"),
+    "embed-batch-tiny": ({"embed_batch_tokens": 8}, ValueError,
+                         "invalid embed_batch_tokens=8: must be >= 16"),
     "draft-rotating": ({"draft_model": "synthetic:tiny", "max_kv_size": 64}, ValueError,
                        "a rotating one .max_kv_size. cannot"),
     "template-syntax": ({"chat_template": "{% for m in messages %}{{ m.content }}"}, ValueError,
@@ -133,14 +135,14 @@ def test_serve_flags_become_one_options_record():
         "--adapter-path", "/a", "--chat-template", "{{ x }}", "--trust-remote-code",
         "--context-length", "1024",
         "--prompt-cache-file", "/p.safetensors", "--temp", "0.7", "--top-p", "0.9", "--top-k", "20",
-        "--min-p", "0.05", "--max-tokens", "100",
+        "--min-p", "0.05", "--max-tokens", "100", "--embed-batch-tokens", "4096",
     ])
     opts = _engine_options(args)
     assert (opts.draft_model, opts.num_draft_tokens, opts.kv_bits) == ("synthetic:tiny", 4, 8)
     assert opts.kv_group_size == 32
     assert (opts.quantized_kv_start, opts.prefill_step_size, opts.adapter_path) == (0, 256, "/a")
     assert (opts.chat_template, opts.trust_remote_code, opts.context_length) == ("{{ x }}", True, 1024)
-    assert opts.prompt_cache_file == "/p.safetensors"
+    assert (opts.prompt_cache_file, opts.embed_batch_tokens) == ("/p.safetensors", 4096)
     assert opts.sampling_defaults() == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
                                         "max_tokens": 100}
 

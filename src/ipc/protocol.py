@@ -207,6 +207,8 @@ DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # a laptop's share: ~18k tokens of a 7B model's KV
+#: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: under 1 GB).
+DEFAULT_EMBED_BATCH_TOKENS = 16384
 #: mlx_lm.server's defaults for the same options.
 DEFAULT_NUM_DRAFT_TOKENS = 3
 DEFAULT_KV_GROUP_SIZE = 64
@@ -267,6 +269,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     max_tokens: int | None = None
+    #: Padded tokens per forward pass of an embedding model's inputs (docs/engine.md#embedding-models).
+    embed_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -274,6 +278,7 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.prompt_concurrency >= 1, "prompt_concurrency", "must be >= 1", self.prompt_concurrency)
         _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
         _check(self.prompt_cache_bytes >= 0, "prompt_cache_bytes", "must be >= 0", self.prompt_cache_bytes)
+        _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
                f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
         if self.kv_bits is not None:

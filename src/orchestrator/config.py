@@ -134,7 +134,7 @@ def engine_from_env() -> EngineOptions:
 
     MLXRT_DECODE_CONCURRENCY, MLXRT_PROMPT_CONCURRENCY, MLXRT_PREFILL_STEP_SIZE,
     MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off), MLXRT_SINGLE_STREAM (0: a lone request
-    goes through the batch too).
+    goes through the batch too), MLXRT_EMBED_BATCH_TOKENS (an embedding model's padded tokens per pass).
     """
     b = EngineOptions()
     return EngineOptions(
@@ -143,4 +143,5 @@ def engine_from_env() -> EngineOptions:
         prefill_step_size=_env_int("MLXRT_PREFILL_STEP_SIZE", b.prefill_step_size),
         prompt_cache_bytes=_env_int("MLXRT_PROMPT_CACHE_BYTES", b.prompt_cache_bytes),
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
+        embed_batch_tokens=_env_int("MLXRT_EMBED_BATCH_TOKENS", b.embed_batch_tokens),
     ).validate()

@@ -15,8 +15,9 @@ included. Inputs arrive as token ids, tokenized by the orchestrator.
     submit(Embed) -> ids checked -> one item per input, queued in its length bucket
     cancel(id)                          |
                                         v
-    step(): the bucket (powers of two) of the oldest item; as many of its items,
-            from any request, as fit in `prefill_step_size` padded tokens; one
+    step(): the oldest item, its bucket (powers of two) and, while padding stays
+            bounded, neighbouring buckets, from any request, within
+            `embed_batch_tokens` padded tokens (`embed_batch.Batcher`); one
             forward pass; each row pooled, cut to its request's `dimensions`,
             L2-normalised -> a request whose every row is in: listener.embedded()
 
@@ -31,15 +32,13 @@ cache, as a prompt is prefilled.
 
 Written by hand, since mlx-lm has no embedding path and `mlx-embeddings` is
 not used (docs/models.md#embeddings says why): the loading of a headless
-checkpoint into mlx-lm's class, the pooling and the bucketing.
+checkpoint into mlx-lm's class, the pooling and the batching (`embed_batch`).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..ipc.protocol import Capabilities, Embed, EngineOptions, EngineReport, MemoryReport, Stats
+from .embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU, Batcher, Item
 from .engine import (
     DEFAULT_CONTEXT_LENGTH,
     BatchStepError,
@@ -160,27 +160,14 @@ class _Request:
     rows: int = 0  # the sizes of those passes, summed
 
 
-@dataclass(eq=False)
-class _Item:
-    """One input of a request, waiting for a forward pass."""
-
-    request: _Request
-    row: int
-    ids: list[int]
-    seq: int  # arrival order, across requests
-
-
-def _bucket(n: int) -> int:
-    """The length bucket of an `n`-token input: inputs of one power-of-two range share passes."""
-    return (n - 1).bit_length()
-
-
 class Embedder:
     """One loaded embedding model serving many requests, their inputs batched; every method runs on
     one thread (the worker's MLX thread)."""
 
     def __init__(self, path: str, spec: EmbeddingSpec, *, cache_limit_bytes: int | None = None,
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, max_waste: float | None = None) -> None:
+        """`max_waste`: the padding a pass may carry when length buckets merge (`embed_batch`);
+        None: the device's (MAX_WASTE_GPU on a GPU, MAX_WASTE_CPU on a CPU)."""
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
@@ -196,9 +183,11 @@ class Embedder:
         self.capabilities = Capabilities(embedding=spec.pooling, embedding_dim=self.dim)
         #: No generation here, so no grammar is compiled for this worker's requests.
         self.grammars = None
-        self._buckets: dict[int, deque[_Item]] = {}
+        if max_waste is None:
+            max_waste = MAX_WASTE_GPU if mx.default_device() == mx.gpu else MAX_WASTE_CPU
+        self._waiting = Batcher(self.options.embed_batch_tokens, max_waste=max_waste,
+                                max_row=self.options.prefill_step_size)
         self._requests: dict[int, _Request] = {}
-        self._seq = itertools.count()
         #: Forward passes run and the inputs they carried (for tests and reports).
         self.passes = 0
         self.rows = 0
@@ -209,7 +198,7 @@ class Embedder:
     @property
     def busy(self) -> bool:
         """Whether any input waits for a forward pass."""
-        return any(self._buckets.values())
+        return bool(self._waiting)
 
     def submit(self, req: Any, listener: Any, *, queued_at: float | None = None) -> None:
         """Check `req` and queue its inputs; a bad request (or a generation) fails at once, alone."""
@@ -223,15 +212,14 @@ class Embedder:
             return
         self._requests[req.id] = request
         for row, ids in enumerate(req.inputs):
-            self._buckets.setdefault(_bucket(len(ids)), deque()).append(
-                _Item(request, row, ids, next(self._seq)))
+            self._waiting.add(request, row, ids)
 
     def cancel(self, req_id: int) -> bool:
         """End `req_id` as cancelled; False if it is not here."""
         request = self._requests.pop(req_id, None)
         if request is None:
             return False
-        self._drop(request)
+        self._waiting.drop(request)
         request.listener.done(req_id, self._stats(request, "cancelled"), "")
         return True
 
@@ -241,7 +229,7 @@ class Embedder:
 
     def step(self) -> None:
         """One forward pass over the next batch of inputs; requests it completes are answered."""
-        batch = self._next_batch()
+        batch, width = self._waiting.next()
         if not batch:
             return
         requests = list({id(i.request): i.request for i in batch}.values())
@@ -253,7 +241,7 @@ class Embedder:
                 r.started_at = now
                 r.listener.started(r.req.id)
         try:
-            pooled = self.forward([i.ids for i in batch])
+            pooled = self.forward([i.ids for i in batch], width)
         except Exception as exc:
             self._fail(requests, exc)
             return
@@ -294,14 +282,15 @@ class Embedder:
         self.warmup_s = time.perf_counter() - t0
 
     # -- the model ---------------------------------------------------------------
-    def forward(self, rows: list[list[int]]) -> np.ndarray:
+    def forward(self, rows: list[list[int]], width: int = 0) -> np.ndarray:
         """The pooled last hidden states of `rows` (float32, one per row, not normalised): one pass,
-        the rows right-padded; a single row longer than `prefill_step_size` in chunks."""
+        the rows right-padded to `width` tokens (at least the longest); a single row longer than
+        `prefill_step_size` in chunks."""
         step = self.options.prefill_step_size
         if len(rows) == 1 and len(rows[0]) > step:
             return self._chunked(rows[0], step)
         lengths = [len(r) for r in rows]
-        width = max(lengths)
+        width = max(width, *lengths)
         x = mx.array([r + [0] * (width - len(r)) for r in rows], dtype=mx.int32)  # pads are never read
         hidden = self.model.model(x)
         n = mx.array(lengths)
@@ -351,21 +340,7 @@ class Embedder:
         return _Request(req, listener, dim, np.empty((n, dim), "<f4"), n, queued_at,
                         tokens=sum(len(ids) for ids in req.inputs))
 
-    def _next_batch(self) -> list[_Item]:
-        """The oldest waiting input and, from its length bucket, as many as fit in the token budget."""
-        heads = [(q[0].seq, b) for b, q in self._buckets.items() if q]
-        if not heads:
-            return []
-        queue = self._buckets[min(heads)[1]]
-        budget = self.options.prefill_step_size
-        batch = [queue.popleft()]
-        width = len(batch[0].ids)
-        while queue and (len(batch) + 1) * max(width, len(queue[0].ids)) <= budget:
-            width = max(width, len(queue[0].ids))
-            batch.append(queue.popleft())
-        return batch
-
-    def _store(self, item: _Item, vector: np.ndarray) -> None:
+    def _store(self, item: Item, vector: np.ndarray) -> None:
         """Keep one row, cut and normalised; answer its request when it was the last."""
         r = item.request
         if self._requests.get(r.req.id) is not r:
@@ -379,19 +354,13 @@ class Embedder:
             del self._requests[r.req.id]
             r.listener.embedded(r.req.id, r.dim, r.out.tobytes(), self._stats(r, "stop"))
 
-    def _drop(self, request: _Request) -> None:
-        """Take `request`'s waiting inputs out of the queues."""
-        for b, queue in self._buckets.items():
-            if any(i.request is request for i in queue):
-                self._buckets[b] = deque(i for i in queue if i.request is not request)
-
     def _fail(self, requests: list[_Request], exc: Exception) -> None:
         """A forward pass raised: fail the requests it carried (the others go on)."""
         error = BatchStepError(f"embedding pass failed: {exc!r}")
         error.__cause__ = exc
         for r in requests:
             if self._requests.pop(r.req.id, None) is not None:
-                self._drop(r)
+                self._waiting.drop(r)
                 r.listener.failed(r.req.id, error)
 
     def _stats(self, r: _Request, reason: str) -> Stats:
