@@ -265,6 +265,42 @@ def test_worker_that_stops_reading_is_killed_naming_the_setting(tiny_model, monk
             os.kill(pid, 0)
 
 
+def test_worker_that_stops_reading_never_blocks_an_event_loop(tiny_model, monkeypatch):
+    """AsyncRuntime: a request to a worker that stops reading returns to the loop at once (the frame
+    waits in the handle's writer thread); the loop keeps ticking until the write gives up, the worker
+    is killed and the request ends naming MLXRT_SEND_TIMEOUT_S."""
+    import asyncio
+    import time
+
+    from mlxrt import AsyncRuntime, MlxrtError
+
+    monkeypatch.setenv("FAKE_MODE", "deaf")
+
+    async def main() -> float:
+        async with AsyncRuntime(model=tiny_model, transport="stdio", timeouts=Timeouts(send_s=2.0),
+                                _worker_argv=FAKE, supervision=Supervision(restart=False)) as rt:
+            gaps: list[float] = []
+
+            async def tick() -> None:
+                last = time.monotonic()
+                while True:
+                    await asyncio.sleep(0.01)
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = asyncio.create_task(tick())
+            await asyncio.sleep(0.1)
+            big = "x" * (1 << 20)  # more than a pipe holds
+            with pytest.raises(MlxrtError, match="MLXRT_SEND_TIMEOUT_S"):
+                await asyncio.wait_for(rt.generate(big, max_tokens=2), 20)
+            ticker.cancel()
+            return max(gaps)
+
+    worst = asyncio.run(main())
+    assert worst < 1.0, f"the event loop was blocked for {worst:.2f} s"
+
+
 def _fake_torch(root: Path, mark: Path) -> None:
     """An installed-looking `torch` (version 2.9.0) whose import leaves `mark` and fails."""
     pkg = root / "torch"

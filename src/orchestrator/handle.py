@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from ..ipc.channel import ChannelClosed, ChannelCorrupt, Receiver
+from ..ipc.channel import MAX_FRAME_BYTES, ChannelClosed, ChannelCorrupt, Receiver
 from ..ipc.protocol import (
     PROTOCOL_VERSION,
     Attached,
@@ -174,6 +174,11 @@ class WorkerHandle:
         self.name = f"w{next(_names)}"
         self._timeouts = timeouts
         self._lock = threading.Lock()
+        #: Frames the pipe did not take at once, in order, for the writer thread (`_send`).
+        self._outq: deque[bytes] = deque()
+        self._out = threading.Condition()
+        self._writer: threading.Thread | None = None
+        self._write_failed: str | None = None  # why the writer stopped: later sends raise ChannelClosed
         self._sinks: dict[int, Entry] = {}
         self._pings: dict[int, tuple[threading.Event, list[Pong]]] = {}
         self._ping_seq = itertools.count(1)
@@ -330,6 +335,7 @@ class WorkerHandle:
         self._close_channels()
 
     def _close_channels(self) -> None:
+        self._stop_writing("the worker's channels are closed")  # ends the writer thread, if any
         self._tx.close()
         if not self._reading:  # else the reader thread closes it (and the ring) at EOF
             self._rx.close()
@@ -377,22 +383,66 @@ class WorkerHandle:
             return True
 
     def _send(self, frame: bytes) -> None:
-        """Write one frame within `Timeouts.send_s`; raise `ChannelClosed` if the worker is gone.
+        """Send one frame without waiting; raise `ChannelClosed` if the worker is gone.
 
-        A worker that does not take the frame in time is killed: the reader thread then sees
-        EOF and ends its requests with an error naming MLXRT_SEND_TIMEOUT_S.
+        The frame is written at once when the pipe takes it whole (a frame of up to PIPE_BUF
+        bytes, nothing queued before it); otherwise it waits, in order, for the writer thread.
+        So no caller, not a Slot under its lock nor an asyncio event loop, waits on a worker
+        that has stopped reading: the writer gives up after `Timeouts.send_s` and kills it.
+        """
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {len(frame)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+        with self._out:
+            if self._write_failed is not None:
+                raise ChannelClosed(self._write_failed)
+            if not self._outq and self._tx.try_send(frame):
+                return
+            self._outq.append(frame)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, name=f"mlxrt-{self.name}-writer",
+                                                daemon=True)
+                self._writer.start()
+            self._out.notify()
+
+    def _write_queued(self) -> None:
+        """The writer thread: queued frames to the pipe, each within `Timeouts.send_s`.
+
+        A worker that does not take a frame in time is killed: the reader thread then sees EOF
+        and ends its requests (the queued ones among them) with an error naming
+        MLXRT_SEND_TIMEOUT_S. A closed pipe ends the thread the same way, through the death path.
         """
         limit = self._timeouts.send_s
-        try:
-            self._tx.send(frame, timeout=limit)
-        except TimeoutError:
-            self._kill_reason = WorkerDied(
-                f"worker {self.name} (pid {self.pid}) did not read its input for {limit:g} s and was "
-                "killed (set MLXRT_SEND_TIMEOUT_S)"
-            )
-            log.error("worker.send_timeout", worker=self.name, pid=self.pid, timeout_s=limit)
-            self.proc.kill()
-            raise ChannelClosed(str(self._kill_reason)) from None
+        while True:
+            with self._out:
+                while not self._outq:
+                    if self._write_failed is not None:  # the channels were closed
+                        return
+                    self._out.wait()
+                frame = self._outq[0]
+            try:
+                self._tx.send(frame, timeout=limit)
+            except TimeoutError:
+                self._kill_reason = WorkerDied(
+                    f"worker {self.name} (pid {self.pid}) did not read its input for {limit:g} s and was "
+                    "killed (set MLXRT_SEND_TIMEOUT_S)"
+                )
+                log.error("worker.send_timeout", worker=self.name, pid=self.pid, timeout_s=limit)
+                self.proc.kill()
+                self._stop_writing(str(self._kill_reason))
+                return
+            except ChannelClosed as exc:
+                self._stop_writing(str(exc))
+                return
+            with self._out:
+                self._outq.popleft()
+
+    def _stop_writing(self, why: str) -> None:
+        """The pipe is unusable: drop what is queued (the death path ends those requests)."""
+        with self._out:
+            if self._write_failed is None:
+                self._write_failed = why
+            self._outq.clear()
+            self._out.notify()
 
     def cancel(self, req_id: int, *, discard: bool = False) -> None:
         """Stop a request between two tokens; with `discard`, drop its remaining events.
@@ -529,6 +579,7 @@ class WorkerHandle:
             try:
                 on_exit(self, error, entries)
             finally:
+                self._stop_writing(f"worker {self.name} (pid {self.pid}) is gone")
                 self._tx.close()  # after the requests' ends: it may wait for a send that is failing
 
     def _pump_stderr(self) -> None:
