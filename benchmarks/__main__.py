@@ -157,6 +157,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--workers", type=int, default=2, help="workers of the multi-worker concurrency target")
     p.add_argument(
+        "--burst-warmup",
+        type=int,
+        default=None,
+        help="unmeasured bursts per stream count and target before the measured one, each with prompts of"
+        " its own (default: 1 on a GPU, where a target's first burst of a size compiles its shapes; 0 on a"
+        " CPU)",
+    )
+    p.add_argument(
         "--part",
         "--only",
         dest="only",
@@ -439,12 +447,21 @@ class Suite:
             except Exception as exc:
                 out["skipped"][name] = f"failed to warm up: {type(exc).__name__}: {exc}"
                 self.say(f"skip concurrency {name}: {out['skipped'][name]}")
+        warm = self.args.burst_warmup
+        warm = (0 if backend() == "cpu" else 1) if warm is None else warm
+        out["burst_warmup"] = warm
+        fresh = k  # the next prompt index no one has been sent
         for n in levels:  # level by level, the targets in turn: A B C at 1 stream, A B C at 4, ...
             for name, s in targets:
                 if name in out["skipped"]:
                     continue
                 self.say(f"concurrency {name}: {n} stream(s)")
                 try:
+                    for _ in range(warm):  # prompts never sent before: no prefix-cache hit
+                        burst = [make_prompt(self.tokenizer, self.args.prompt_tokens, start=fresh + i)[0]
+                                 for i in range(n)]
+                        fresh += n
+                        run_level(s, burst, self.args.gen_tokens)
                     figures, runs = run_level(s, self.conc_prompts[n], self.args.gen_tokens)
                 except Exception as exc:  # e.g. out of memory at 32 streams: the smaller counts stand
                     out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
