@@ -122,6 +122,17 @@ def test_more_choices_than_the_batch_holds(tiny_model):
     assert all(len(rec.ids[(1, i)]) == 6 for i in range(5)) and rec.finals == [1]
 
 
+def test_a_fork_left_alone_starts_from_its_fork_not_the_fast_path(tiny_model):
+    """With room for one sequence, choice 0 ends before its fork is admitted: the fork runs alone
+    but still starts from the fork's cache (no prefill of the prompt again, no fast path)."""
+    one = Engine(tiny_model, options=EngineOptions(decode_concurrency=1, prompt_cache_bytes=0))
+    length = len(one.prompt_ids(gen(1)))
+    before, solo = prefilled(one), one.solo_requests
+    rec = run(one, [gen(1, n=2, max_tokens=4)])
+    assert rec.ids[(1, 0)] == rec.ids[(1, 1)] and rec.cached[(1, 1)] == length - 1
+    assert prefilled(one) - before == length - 1 and one.solo_requests == solo
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-gemma3"])
 def test_fork_from_caches_that_cannot_be_trimmed(preset):
     """Recurrent (ArraysCache) and sliding-window (RotatingKVCache) models, a chat with a system

@@ -117,6 +117,15 @@ def test_concurrent_requests_share_forward_passes(emb_model):
     assert (embedder.passes, embedder.rows) == (3, 5)  # the three short inputs together; 40; 80 (chunked)
 
 
+@pytest.mark.parametrize("option", [{"kv_bits": 8}, {"chat_template": "{{ messages }}"},
+                                    {"context_length": 64}])
+def test_generation_options_are_refused_for_an_embedding_model(emb_model, option):
+    """An option only generation uses (a draft, an adapter, a template, KV settings, a context, a
+    prompt-cache file) fails the embedding model's load by name, rather than being ignored."""
+    with pytest.raises(ValueError, match=f"{next(iter(option))}: not supported for an embedding model"):
+        Embedder(emb_model, embedding_spec(emb_model), options=EngineOptions(**option))
+
+
 def test_vectors_are_mlx_lm_forward_passes(emb_model, reference):
     """Each vector is the L2-normalised last hidden state of mlx-lm's own forward pass over the input's
     ids (EOS appended by the tokenizer), also for an input run in chunks through the KV cache."""

@@ -75,6 +75,16 @@ def test_group_ids_equal_one_process(group, single):
     assert 0 < m.prompt_cache_bytes <= SMALL_CACHE.prompt_cache_bytes
 
 
+def test_choices_and_logprobs_in_a_group(group, single):
+    """n > 1 and log-probabilities reach every rank's listener: the group serves them (it died on
+    them once, when rank k > 0's listener did not take a choice's keywords)."""
+    prompt, params = REQUESTS[0]  # greedy
+    c = group.generate(prompt, ignore_eos=True, n=2, logprobs=2, **params)
+    assert [ch.tokens for ch in c.choices] == [single[0]] * 2
+    assert c.logprobs and len(c.logprobs) == len(c.tokens)
+    assert group.workers[0].restarts == 0
+
+
 def test_workers_show_the_group_and_its_ranks(group):
     """rt.workers lists the group once, with each rank's pid and host; rank 0 is the worker's pid."""
     (w,) = group.workers

@@ -169,6 +169,16 @@ def test_model_defaults_fill_what_a_request_leaves_out():
     assert sampling_params(req, None, 16, {})["temperature"] == 1.0
     o = ollama_params(OllamaOptions(temperature=0.5), defaults)
     assert (o["temperature"], o["top_k"], o["max_tokens"], o["top_p"]) == (0.5, 5, 9, 0.9)
+    from mlxrt.orchestrator.http import anthropic, responses
+    from mlxrt.orchestrator.http.anthropic_schemas import MessagesRequest
+    from mlxrt.orchestrator.http.responses_schemas import ResponsesRequest
+
+    m = anthropic.sampling_params(MessagesRequest(model="m", messages=[], max_tokens=7), defaults)
+    assert (m["temperature"], m["max_tokens"]) == (0.2, 7)  # Messages requires max_tokens
+    r = responses.sampling_params(ResponsesRequest(model="m", input="hi"), defaults)
+    assert (r["temperature"], r["max_tokens"]) == (0.2, 9)
+    r = responses.sampling_params(ResponsesRequest(model="m", input="hi", temperature=0.0), defaults)
+    assert r["temperature"] == 0.0
 
 
 def test_synthetic_variant_references_parse():

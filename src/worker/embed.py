@@ -172,6 +172,11 @@ class Embedder:
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
         self.options = (options or EngineOptions()).validate()
+        generating = ("draft_model", "adapter_path", "chat_template", "kv_bits", "max_kv_size",
+                      "context_length", "prompt_cache_file")
+        unsupported = [n for n in generating if getattr(self.options, n) is not None]
+        if unsupported:  # refused rather than ignored: the vectors would not be what was asked for
+            raise ValueError(f"{', '.join(unsupported)}: not supported for an embedding model")
         self.path = path
         self.spec = spec
         self.model, config = load_backbone(path)

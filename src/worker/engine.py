@@ -154,7 +154,8 @@ class Engine:
         path = resolve_model_path(model)
         self.group = group
         if group is not None:  # sharded by mlx-lm's sharded_load, which takes no adapter, template or draft
-            unsupported = [n for n in ("adapter_path", "chat_template", "draft_model") if getattr(o, n)]
+            unsupported = [n for n in ("adapter_path", "chat_template", "draft_model", "prompt_cache_file")
+                           if getattr(o, n)]
             if unsupported:
                 raise ValueError(f"{', '.join(unsupported)}: not supported for a worker group (ranks > 1)")
             self.model, self.tokenizer, config = group.load(path)
@@ -381,7 +382,8 @@ class Engine:
                 for mode in dict.fromkeys((solo, False)):  # a lone prompt's cache and the batch's differ
                     self.solo_enabled = mode
                     for ids in (long, long[:MID_WARMUP_TOKENS]):
-                        self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
+                        if ids:  # a context too small for them leaves nothing to warm
+                            self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
             finally:
                 self.solo_enabled = solo
         batch = range(self.options.decode_concurrency)
@@ -402,7 +404,7 @@ class Engine:
         seen to leave a 46 s compile to the first 4k-token prompt on an
         H100), and a short tail.
         """
-        n = min(2 * self.options.prefill_step_size + 64, self.context_length - tokens - 1)
+        n = max(0, min(2 * self.options.prefill_step_size + 64, self.context_length - tokens - 1))
         unit = self.tokenizer.encode(WARMUP_PROMPT)
         return (unit * (n // len(unit) + 1))[:n]
 
@@ -546,7 +548,8 @@ class Engine:
         return req.params.grammar
 
     def _admit(self) -> None:
-        lone = len(self._waiting) == 1 and not self._waiting[0].forks  # n > 1 is a batch from the start
+        # n > 1 is a batch from the start, and a forked choice starts from its fork's cache (`_insert`).
+        lone = len(self._waiting) == 1 and not self._waiting[0].forks and self._waiting[0].start is None
         if self._solo is None and not self._running and lone and self.solo_enabled:
             self._start_solo(self._waiting.popleft())
             return

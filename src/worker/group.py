@@ -354,11 +354,11 @@ class _Drop:
     def started(self, req_id: int) -> None:
         pass
 
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
-        pass
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, **extra) -> None:
+        pass  # extra: a choice's logprob and index (n > 1, log-probabilities)
 
-    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
-        pass
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None, **extra) -> None:
+        pass  # extra: a choice's index and whether it is the last
 
     def failed(self, req_id: int, exc: BaseException) -> None:
         pass

@@ -26,7 +26,7 @@ request that usually follows.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgspec
@@ -188,10 +188,14 @@ def _block_refused(i: int, j: int, b: object, where: str, tail: str = "") -> Htt
     return HttpError(400, f"{param}: a {kind!r} block cannot be in {where}", param=param)
 
 
-def sampling_params(req: MessagesRequest) -> dict[str, Any]:
+def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime's sampling keywords; a temperature left out is the model's default (`--temp`), else
+    Anthropic's (`max_tokens` is required here)."""
+    d = defaults or {}
     params: dict[str, Any] = {
         "max_tokens": req.max_tokens,
-        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
+        else req.temperature,
     }
     if req.top_p is not None:
         params["top_p"] = req.top_p
@@ -380,7 +384,7 @@ class AnthropicApi:
         t0 = time.perf_counter()
         req: MessagesRequest = await self.svc.read(request, _messages_decoder)
         model, prompt, chat = self._request(req)
-        params = constrain(sampling_params(req), req)
+        params = constrain(sampling_params(req, self.svc.sampling_defaults(model)), req)
         params.update(chat)
         gen = await self.svc.start(request, "/v1/messages", prompt, model, params, NAMES, t0)
         message = Message(id=new_id("msg", "_"), model=req.model, content=[], usage=Usage(input_tokens=0,

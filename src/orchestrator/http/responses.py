@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,10 +229,15 @@ def _text(i: int, content: str | list[Any], field: str, sep: str = "\n") -> str:
     return sep.join(texts)
 
 
-def sampling_params(req: ResponsesRequest) -> dict[str, Any]:
+def sampling_params(req: ResponsesRequest, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime's sampling keywords; what the request leaves out is the model's default (`--temp`,
+    `--max-tokens`), else OpenAI's."""
+    d = defaults or {}
     params: dict[str, Any] = {
-        "max_tokens": UNLIMITED_TOKENS if req.max_output_tokens is None else req.max_output_tokens,
-        "temperature": DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        "max_tokens": d.get("max_tokens", UNLIMITED_TOKENS) if req.max_output_tokens is None
+        else req.max_output_tokens,
+        "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
+        else req.temperature,
     }
     if req.top_p is not None:
         params["top_p"] = req.top_p
@@ -472,7 +477,7 @@ class ResponsesApi:
             raise HttpError(400, "input: no messages to respond to", param="input")
         prompt = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt += history
-        params = sampling_params(req)
+        params = sampling_params(req, self.svc.sampling_defaults(model))
         chat = chat_params(req)
         self.svc.refuse_missing(model, chat, think_param="reasoning.effort")
         params.update(chat)
