@@ -44,6 +44,19 @@ class Recorder:
         self.errors[req_id] = exc
 
 
+def run_handed_over(engine: Engine, first: Generate, second: Generate, after: int) -> Recorder:
+    """`first` alone for `after` steps (on the fast path), then `second` arrives; run both to the end."""
+    rec = Recorder()
+    engine.submit(first, rec)
+    for _ in range(after):
+        engine.step()
+    assert engine._solo is not None
+    engine.submit(second, rec)
+    while engine.busy:
+        engine.step()
+    return rec
+
+
 def run_batch(engine: Engine, reqs: list[Generate]) -> Recorder:
     """Submit every request at once and step the engine until all have ended."""
     rec = Recorder()
@@ -280,14 +293,7 @@ def test_second_request_moves_the_lone_one_into_the_batch(engines, after):
             want = {r.id: through_batch(engine, r) for r in (first, second)}
             if engine is on:
                 engine.clear_cache()
-            rec = Recorder()
-            engine.submit(first, rec)
-            for _ in range(after):
-                engine.step()
-            assert engine._solo is not None
-            engine.submit(second, rec)
-            while engine.busy:
-                engine.step()
+            rec = run_handed_over(engine, first, second, after)
             assert not rec.errors
             assert rec.ids == want, (name, after, first.id)
             assert rec.stats[first.id].mean_batch_size > 1

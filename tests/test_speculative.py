@@ -7,7 +7,7 @@ import pytest
 from mlxrt import ModelSpec, Runtime
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.worker.engine import Engine
-from test_engine import Recorder, chat, gen, run_alone, run_batch
+from test_engine import chat, gen, run_alone, run_batch, run_handed_over
 
 #: Drafts of the tiny model: itself (every token accepted), a perturbed copy, a one-layer cut.
 DRAFTS = {"self": "synthetic:tiny", "noisy": "synthetic:tiny?noise=0.05", "cut": "synthetic:tiny?layers=1"}
@@ -69,14 +69,7 @@ def test_greedy_ids_are_unchanged_when_a_second_request_arrives(drafted, referen
     name, engine = drafted
     first, second = requests()[0], requests()[2]
     engine.clear_cache()
-    rec = Recorder()
-    engine.submit(first, rec)
-    for _ in range(after):
-        engine.step()
-    assert engine._solo is not None
-    engine.submit(second, rec)
-    while engine.busy:
-        engine.step()
+    rec = run_handed_over(engine, first, second, after)
     assert not rec.errors
     assert rec.ids == {1: reference[1], 3: reference[3]}, (name, after)
     assert rec.stats[3].draft_tokens == 0  # it ran in the batch

@@ -23,6 +23,7 @@ from mlxrt import Grammar, Runtime
 from mlxrt.ipc.protocol import GRAMMAR_DEAD_END, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import Constraint
+from test_engine import run_batch as run
 from test_http import running
 
 S = {"type": "string", "maxLength": 8}
@@ -78,39 +79,6 @@ MAX_TOKENS = 96
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     return Engine(tiny_model, options=EngineOptions(decode_concurrency=16))
-
-
-class Recorder:
-    """A listener that keeps every request's ids, text, stats and error."""
-
-    def __init__(self) -> None:
-        self.ids: dict[int, list[int]] = {}
-        self.text: dict[int, str] = {}
-        self.stats: dict = {}
-        self.errors: dict[int, BaseException] = {}
-
-    def started(self, req_id: int) -> None:
-        pass
-
-    def token(self, req_id: int, token: int, text: str) -> None:
-        self.ids.setdefault(req_id, []).append(token)
-        self.text[req_id] = self.text.get(req_id, "") + text
-
-    def done(self, req_id: int, stats, text: str) -> None:
-        self.text[req_id] = self.text.get(req_id, "") + text
-        self.stats[req_id] = stats
-
-    def failed(self, req_id: int, exc: BaseException) -> None:
-        self.errors[req_id] = exc
-
-
-def run(engine: Engine, reqs: list[Generate]) -> Recorder:
-    rec = Recorder()
-    for r in reqs:
-        engine.submit(r, rec)
-    while engine.busy:
-        engine.step()
-    return rec
 
 
 def schema_grammar(schema: dict) -> Grammar:
