@@ -18,7 +18,6 @@ A table goes to stdout, and the last line is one JSON document.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import sys
 import threading
@@ -31,7 +30,7 @@ import msgspec
 from mlxrt.worker.synthetic import ensure_model
 
 from .env import default_preset, describe
-from .http_scenario import HTTP_TIMEOUT_S, MODEL_NAME, HttpStream
+from .http_scenario import MODEL_NAME, HttpStream, sse_data
 from .measure import finite, ratio_spread, spread
 
 SYSTEM = "You are a storyteller."
@@ -56,20 +55,8 @@ class Stream:
 
 def _events(port: int, path: str, body: dict[str, Any]) -> Iterator[tuple[float, dict]]:
     """POST `body`; yield (arrival time, decoded data) for each SSE ``data:`` line, up to ``[DONE]``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
-    try:
-        headers = {"Content-Type": "application/json"}
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            if line.startswith(b"data: [DONE]"):
-                return
-            if line.startswith(b"data: "):
-                yield time.perf_counter(), msgspec.json.decode(line[6:])
-    finally:
-        conn.close()
+    for data in sse_data(port, path, body):
+        yield time.perf_counter(), msgspec.json.decode(data)
 
 
 def chat(port: int, tokens: int) -> Stream:

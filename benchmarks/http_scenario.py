@@ -77,8 +77,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sse(port: int, path: str, body: dict[str, Any]) -> Iterator[_Chunk]:
-    """POST `body` on a fresh connection; yield each decoded ``data:`` event up to ``[DONE]``."""
+def sse_data(port: int, path: str, body: dict[str, Any]) -> Iterator[bytes]:
+    """POST `body` on a fresh connection; yield each SSE ``data:`` payload up to ``[DONE]``."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
     try:
         headers = {"Content-Type": "application/json"}
@@ -91,12 +91,18 @@ def _sse(port: int, path: str, body: dict[str, Any]) -> Iterator[_Chunk]:
                 continue
             if line.startswith(b"data: [DONE]"):
                 return
-            chunk = _decode_chunk(line[6:])
-            if chunk.error is not None:
-                raise RuntimeError(f"server error mid-stream: {chunk.error}")
-            yield chunk
+            yield line[6:]
     finally:
         conn.close()
+
+
+def _sse(port: int, path: str, body: dict[str, Any]) -> Iterator[_Chunk]:
+    """Each decoded completion chunk of a streamed POST; a server error mid-stream raises."""
+    for data in sse_data(port, path, body):
+        chunk = _decode_chunk(data)
+        if chunk.error is not None:
+            raise RuntimeError(f"server error mid-stream: {chunk.error}")
+        yield chunk
 
 
 def _healthy(port: int, path: str) -> bool:
