@@ -21,6 +21,12 @@ Two kinds of point:
   (a draft call per proposal, one target call per round) are the real ones.
   P = 1 is the ceiling for that draft's cost.
 
+Each drafted point runs under each ``--policy``: ``always`` drafts every round
+(the draft's own cost and gain, as mlx-lm's ``speculative_generate_step``);
+``adaptive`` (the worker's default) drafts while drafting is measured faster,
+its `DraftPolicy` kept across the rounds of that point as a worker keeps it
+across requests.
+
 The last line of stdout is one JSON document.
 """
 
@@ -33,6 +39,7 @@ import statistics
 import mlx.core as mx
 from mlx_lm.utils import load
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
+from mlxrt.worker.draft_policy import DraftPolicy
 from mlxrt.worker.engine import Engine, device_name, resolve_model_path
 from mlxrt.worker.solo import Draft
 
@@ -96,7 +103,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--policy", default="always,adaptive",
+                    help="draft policies to run each drafted point under (always, adaptive)")
     a = ap.parse_args(argv)
+    policies = a.policy.split(",")
     target = a.target or f"synthetic:{default_preset()}"
     drafts = a.draft or [f"{target}?layers=1", f"{target}?noise=0.05", target]
     engine = Engine(resolve_model_path(target), options=EngineOptions(prompt_cache_bytes=0))
@@ -105,16 +115,19 @@ def main(argv: list[str] | None = None) -> dict:
     ids = (unit * (a.prompt_tokens // len(unit) + 1))[: a.prompt_tokens]
 
     configs: list[tuple[str, str | None, float | None]] = [("plain", None, None)]
-    configs += [(d, d, None) for d in drafts]
+    configs += [(f"{d} [{w}]", d, None) for d in drafts for w in policies]
     for p in a.force or []:
-        configs += [(f"plain, forced {p:g}", None, p), (f"{drafts[0]}, forced {p:g}", drafts[0], p)]
+        configs += [(f"plain, forced {p:g}", None, p)]
+        configs += [(f"{drafts[0]}, forced {p:g} [{w}]", drafts[0], p) for w in policies]
+    # One policy per drafted point, kept across its rounds as a worker keeps it across requests.
+    policy = {c[0]: DraftPolicy(adaptive=c[0].endswith("[adaptive]")) for c in configs}
     tps: dict[str, list[float]] = {c[0]: [] for c in configs}
     rate: dict[str, list[float]] = {c[0]: [] for c in configs}
     same: dict[str, bool] = {c[0]: True for c in configs}
     plain_ids: dict[float | None, list[int]] = {}
     for r in range(a.rounds + 1):
         for name, draft, p in configs:
-            engine.draft = None if draft is None else Draft(loaded[draft], a.num_draft_tokens)
+            engine.draft = None if draft is None else Draft(loaded[draft], a.num_draft_tokens, policy[name])
             box = decode(engine, ids, a.tokens, None if p is None else forcing(p, engine.vocab_size))
             if draft is None:
                 plain_ids[p] = box.ids
@@ -131,15 +144,18 @@ def main(argv: list[str] | None = None) -> dict:
         speedup[name] = [x / b for x, b in zip(tps[name], tps[base], strict=True)]
     print(f"target {target} on {device_name()}, {a.rounds} rounds, {a.prompt_tokens}-token prompt, "
           f"{a.tokens} tokens, num_draft_tokens {a.num_draft_tokens}; median [min-max]")
-    print(f"{'configuration':48} {'acceptance':>10} {'decode tok/s':>22} {'speed-up, paired':>22}  ids")
+    print(f"{'configuration':60} {'acceptance':>10} {'decode tok/s':>22} {'speed-up, paired':>22}  ids")
     for name, _, _ in configs:
         t, s = tps[name], speedup[name]
-        print(f"{name:48} {statistics.median(rate[name]):10.3f} {statistics.median(t):9.1f} "
+        print(f"{name:60} {statistics.median(rate[name]):10.3f} {statistics.median(t):9.1f} "
               f"[{min(t):.1f}-{max(t):.1f}] {statistics.median(s):9.3f} [{min(s):.3f}-{max(s):.3f}]  "
               f"{'same' if same[name] else 'DIFFERENT'}")
     result = {"target": target, "drafts": drafts, "num_draft_tokens": a.num_draft_tokens,
               "prompt_tokens": a.prompt_tokens, "tokens": a.tokens, "decode_tps": tps, "acceptance": rate,
-              "speedup": speedup, "ids_same": same, "env": describe()}
+              "speedup": speedup, "ids_same": same, "policies": policies,
+              "windows": {n: {"drafting": pol.windows[True], "plain": pol.windows[False]}
+                          for n, pol in policy.items() if pol.adaptive},
+              "env": describe()}
     print(json.dumps(result))
     return result
 

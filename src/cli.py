@@ -147,6 +147,8 @@ MODEL_FLAGS = {
     "draft_model": ("--draft-model", str, "a draft model for speculative decoding (a directory, HF id or "
                     "synthetic:PRESET?noise=X): a lone request drafts with it, a batch decodes plainly"),
     "num_draft_tokens": ("--num-draft-tokens", int, "tokens drafted per speculative step (default: 3)"),
+    "draft_policy": ("--draft-policy", str, "adaptive: draft only while drafting is measured faster than "
+                     "plain decoding; always: draft every step, as mlx_lm does (default: adaptive)"),
     "kv_bits": ("--kv-bits", int, "quantize a lone request's KV cache to this many bits (2, 3, 4, 5, "
                 "6 or 8); a batch keeps full precision (default: none)"),
     "kv_group_size": ("--kv-group-size", int, "group size of KV-cache quantization (default: 64)"),

@@ -47,6 +47,7 @@ BAD_OPTIONS = {
     "kv-group-head": ({"kv_bits": 8, "kv_group_size": 32}, ValueError, "must divide model .* head size, 16"),
     "max-kv-size-tiny": ({"max_kv_size": 4}, ValueError, "invalid max_kv_size=4: must be >= 8"),
     "num-draft-0": ({"num_draft_tokens": 0}, ValueError, r"invalid num_draft_tokens=0"),
+    "draft-policy": ({"draft_policy": "sometimes"}, ValueError, r"invalid draft_policy=.sometimes.: must be"),
     "embed-batch-tiny": ({"embed_batch_tokens": 8}, ValueError,
                          "invalid embed_batch_tokens=8: must be >= 16"),
     "draft-rotating": ({"draft_model": "synthetic:tiny", "max_kv_size": 64}, ValueError,
@@ -152,7 +153,7 @@ def test_serve_help_lists_the_options(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--draft-model", "--num-draft-tokens", "--kv-bits", "--kv-group-size",
+    for flag in ("--draft-model", "--num-draft-tokens", "--draft-policy", "--kv-bits", "--kv-group-size",
                  "--quantized-kv-start", "--max-kv-size", "--prefill-step-size", "--adapter-path",
                  "--chat-template",
                  "--trust-remote-code", "--context-length", "--prompt-cache-file", "--temp", "--top-p",

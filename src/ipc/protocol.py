@@ -219,6 +219,8 @@ KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 #: The most draft tokens per speculative step: each one costs a draft forward pass.
 MAX_NUM_DRAFT_TOKENS = 32
+#: `EngineOptions.draft_policy`'s values.
+DRAFT_POLICIES = ("adaptive", "always")
 #: A rotating cache keeps its first 4 tokens (mlx-lm's `make_prompt_cache`): a smaller one holds nothing else.
 MIN_MAX_KV_SIZE = 8
 
@@ -271,6 +273,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     #: Padded tokens per forward pass of an embedding model's inputs (docs/engine.md#embedding-models).
     embed_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS
+    #: When a lone sequence with a draft model drafts: "adaptive" (while drafting is measured faster than
+    #: plain decoding, docs/engine.md) or "always" (as mlx-lm does).
+    draft_policy: str = "adaptive"
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -281,6 +286,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
                f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
+        _check(self.draft_policy in DRAFT_POLICIES, "draft_policy", f"must be one of {DRAFT_POLICIES}",
+               self.draft_policy)
         if self.kv_bits is not None:
             _check(self.kv_bits in KV_BITS, "kv_bits", f"must be one of {KV_BITS} (MLX's quantization)",
                    self.kv_bits)

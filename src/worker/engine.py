@@ -72,6 +72,7 @@ from ..ipc.protocol import (
     Stats,
 )
 from .choices import Group
+from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
@@ -178,7 +179,8 @@ class Engine:
         self.kv = None if o.kv_bits is None else KVQuant(o.kv_bits, o.kv_group_size, o.quantized_kv_start)
         if self.kv is not None:
             check_quantizable(self.model, self.kv)
-        self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens)
+        self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens,
+                                                                         o.draft_policy)
         self.prefix_cache = self._new_prefix_cache()
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
@@ -330,7 +332,7 @@ class Engine:
         except Exception as exc:
             raise ValueError(f"invalid chat_template: it does not render a chat: {exc}") from None
 
-    def _load_draft(self, ref: str, num_draft_tokens: int) -> Draft:
+    def _load_draft(self, ref: str, num_draft_tokens: int, policy: str) -> Draft:
         """The draft model, checked against the target: one vocabulary, caches that can be rewound."""
         draft, tokenizer, config = load(resolve_model_path(ref), return_config=True)
         text = {**config.get("text_config", {}), **config}
@@ -347,7 +349,7 @@ class Engine:
                 kinds = sorted({type(c).__name__ for c in make_prompt_cache(net)})
                 raise ValueError(f"invalid draft_model={ref!r}: speculative decoding rewinds the cache, "
                                  f"which {name}'s {kinds} cannot")
-        return Draft(draft, num_draft_tokens)
+        return Draft(draft, num_draft_tokens, DraftPolicy(adaptive=policy == "adaptive"))
 
     def _seed_prefix_cache(self) -> None:
         if self._pinned is not None:

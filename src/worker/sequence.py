@@ -6,8 +6,9 @@ hand:
 
 - a seeded sampler per sequence: mlx-lm's samplers draw from MLX's global
   random state, so two seeded requests in one batch would share one stream of
-  draws. `keyed_sampler` gives each its own key, so a seeded request gets the
-  same tokens alone or in any batch, and unseeded requests never touch it;
+  draws. `KeyedSampler` gives each token a key of its own, made from the seed and
+  the token's place, so a seeded request gets the same tokens alone, in any batch
+  and with or without a draft model, and unseeded requests never touch it;
 - stop strings matched on text with hold-back (`TextStream`): mlx-lm matches
   stop words on token ids, which misses a stop string that tokenizes
   differently inside the reply.
@@ -15,6 +16,7 @@ hand:
 
 from __future__ import annotations
 
+import hashlib
 import random
 import secrets
 import time
@@ -68,37 +70,60 @@ def make_request_sampler(p: SamplingParams, choice: int = 0):
     top_p = p.top_p if p.top_p < 1.0 else 0.0
     if p.seed is None:
         return make_sampler(temp=p.temperature, top_p=top_p, min_p=p.min_p, top_k=p.top_k)
-    return keyed_sampler(p, top_p, choice)
+    return KeyedSampler(p, top_p, choice)
 
 
-def keyed_sampler(p: SamplingParams, top_p: float, choice: int = 0):
-    """`make_sampler`'s chain of mlx-lm filters, drawing from a key of its own seeded with ``p.seed``.
+class KeyedSampler:
+    """`make_sampler`'s chain of mlx-lm filters, each token drawn with a key of its own.
 
-    MLX's global random state cannot be set from an array, so the key is
-    passed to the draw instead; the filters are mlx-lm's, in `make_sampler`'s order.
-    Choice 0 draws from the seed's key (so it is what n=1 gives), choice i > 0 from
-    the i-th key split off it.
+    MLX's global random state cannot be set from an array, so the key is passed
+    to the draw instead; the filters are mlx-lm's, in `make_sampler`'s order.
+    The key of the reply's i-th token is made from the seed, the choice and i
+    alone (`draw_key`), so a token's draw does not depend on how the tokens
+    before it were computed: alone or in any batch, one token per call or a
+    speculative round's several rows at once (`Solo`, which `rewind`s the draws
+    of the rows it does not keep), the same seed gives the same reply.
     """
-    filters = []
-    if 0.0 < top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, top_p))
-    if p.min_p:
-        filters.append(lambda x: apply_min_p(x, p.min_p, 1))
-    if p.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, p.top_k))
-    key = mx.random.key(p.seed)
-    if choice:
-        key = mx.random.split(key, choice + 1)[choice]
-    inv_temp = 1.0 / p.temperature
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        for f in filters:
+    def __init__(self, p: SamplingParams, top_p: float, choice: int = 0) -> None:
+        self._filters = []
+        if 0.0 < top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, top_p))
+        if p.min_p:
+            self._filters.append(lambda x: apply_min_p(x, p.min_p, 1))
+        if p.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, p.top_k))
+        self._inv_temp = 1.0 / p.temperature
+        self._seed = (p.seed, choice)
+        #: Tokens drawn (kept) so far: the next row's place in the reply.
+        self.drawn = 0
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """One token per row of `logprobs` (shape (rows, vocabulary)), the rows the reply's next places."""
+        for f in self._filters:
             logprobs = f(logprobs)
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        scaled = logprobs * self._inv_temp
+        rows = [mx.random.categorical(scaled[i], key=draw_key(*self._seed, self.drawn + i))
+                for i in range(scaled.shape[0])]
+        self.drawn += len(rows)
+        return mx.stack(rows)
 
-    return sample
+    def rewind(self, n: int) -> None:
+        """The last `n` draws were not kept: their places are drawn again."""
+        self.drawn -= n
+
+
+def draw_key(seed: int, choice: int, index: int) -> mx.array:
+    """The MLX key of choice `choice`'s `index`-th token under `seed`: a hash of the three."""
+    digest = hashlib.blake2b(f"{seed}:{choice}:{index}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little"))
+
+
+def unsample(sampler, n: int) -> None:
+    """Take back the last `n` draws of a request's sampler, where it keys its draws (`KeyedSampler`);
+    other samplers draw from MLX's global state, which has no place to go back to."""
+    if n and isinstance(sampler, KeyedSampler):
+        sampler.rewind(n)
 
 
 def make_request_processors(p: SamplingParams) -> list:
@@ -126,6 +151,7 @@ def check_sampler(sampler, vocab_size: int) -> None:
     except Exception:
         reseed()
         raise
+    unsample(sampler, 1)  # a check, not a token of the reply
 
 
 #: Where `reseed` draws seeds: the system's entropy; the ranks of a worker group share a seeded

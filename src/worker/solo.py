@@ -30,20 +30,25 @@ cannot batch them (docs/engine.md has the rules):
   returns one token per call; the token after the accepted ones is delivered
   before the next round is drafted. Handed over, the tokens it made beyond the
   delivered one are dropped (the cache is rewound) and the draft's cache with
-  them: the batch recomputes them.
+  them: the batch recomputes them. Whether a round drafts at all is the
+  worker's `DraftPolicy` (draft_policy.py): it times both ways in windows of
+  a few tokens and drafts only while drafting is the faster; between windows
+  the sequence switches ways without losing or repeating a token.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from .draft_policy import WINDOW_ROUNDS, WINDOW_TOKENS, DraftPolicy
 from .kvcache import KVQuant, full_precision, make_cache, quantize
-from .sequence import Sequence
+from .sequence import Sequence, unsample
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
 CLEAR_CACHE_EVERY = 256
@@ -51,10 +56,11 @@ CLEAR_CACHE_EVERY = 256
 
 @dataclass(frozen=True)
 class Draft:
-    """A loaded draft model and how many tokens it proposes per round."""
+    """A loaded draft model, how many tokens it proposes per round, and when it drafts at all."""
 
     model: object
     num_draft_tokens: int
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
 
 
 class Solo:
@@ -73,8 +79,14 @@ class Solo:
         self._draft = draft if seq.constraint is None and seq.logprobs is None else None
         if self._draft is not None:
             self._draft_cache = make_prompt_cache(self._draft.model)
+            #: Whether this window drafts; while it does not, how many of `tokens` the draft has seen.
+            self._drafting = self._draft.policy.first()
+            self._draft_seen = 0
             #: Tokens the draft has not seen yet, before the head: at first, the whole prompt.
-            self._draft_in: list[int] = list(seq.ids)
+            self._draft_in: list[int] = list(seq.ids) if self._drafting else []
+            #: This window: its seconds and tokens so far, its rounds, and when the last `decode` began.
+            self._window = [0.0, 0, 0]
+            self._mark: float | None = None
         #: Speculative: tokens in the cache, accepted, not yet delivered; and whether `_next` (the
         #: head, sampled, not in the cache) was delivered.
         self._pending: deque[int] = deque()
@@ -136,7 +148,9 @@ class Solo:
         without, the cache ends before the returned token, ready for `handoff`.
         """
         if self._draft is not None:
-            return self._count(self._speculative(lookahead))
+            self._time_window()
+            if self._drafting:
+                return self._count(self._speculative(lookahead))
         y, self._next = self._next, None
         assert y is not None, "decode before the prompt was prefilled"
         lp, self._next_logprobs = self._next_logprobs, None
@@ -161,6 +175,38 @@ class Solo:
         return token, reason
 
     # -- speculative decoding -------------------------------------------------------
+    def _time_window(self) -> None:
+        """Count the token delivered last call and the time since; at a window's end, let the policy
+        choose the next window's way and switch to it.
+
+        A drafting window ends between rounds (the head delivered, nothing pending), a plain one after
+        any token; either has then delivered every token it computed, so no token is lost or repeated.
+        """
+        now = time.perf_counter()
+        if self._mark is not None:
+            self._window[0] += now - self._mark
+            self._window[1] += 1
+        self._mark = now
+        seconds, tokens, rounds = self._window
+        if self._drafting:
+            if self._pending or not self._head_sent or (rounds < WINDOW_ROUNDS and tokens < WINDOW_TOKENS):
+                return
+        elif tokens < WINDOW_TOKENS:
+            return
+        assert self._draft is not None
+        drafting = self._draft.policy.window(self._drafting, seconds, tokens)
+        self._window = [0.0, 0, 0]
+        if drafting and not self._drafting:  # `_next`, queued, is the head: the draft catches up first
+            self._draft_in = self.tokens[self._draft_seen :]
+            self._head_sent = False
+        elif self._drafting and not drafting:  # the head, delivered, goes into the cache: `_next` after it
+            self._draft_seen = len(self.tokens) - len(self._draft_in)
+            self.tokens.append(self._head)
+            self._context = None  # rebuilt from `tokens` by `_queue`
+            assert self._next is not None
+            self._queue(self._next)
+        self._drafting = drafting
+
     def _speculative(self, lookahead: bool) -> int:
         """The next token: an accepted draft token, else the head (a round first if it was sent)."""
         if not self._pending and self._head_sent:
@@ -169,6 +215,7 @@ class Solo:
             token = self._pending.popleft()
             if not lookahead:  # the batch goes on from `token`: the cache ends before it
                 self._rewind(1 + len(self._pending))
+                unsample(self.seq.sampler, 1 + len(self._pending))  # the batch draws them again
                 self._pending.clear()
                 self._resume = token
             return token
@@ -195,6 +242,7 @@ class Solo:
         ids, proposed = sampled.tolist(), drafted.tolist()
         n = next((i for i, (t, d) in enumerate(zip(ids, proposed, strict=False)) if t != d), k)
         trim_prompt_cache(self.cache, k - n)
+        unsample(seq.sampler, k - n)
         self.tokens += [self._head, *proposed[:n]]
         if k:
             if n == k:
@@ -203,6 +251,7 @@ class Solo:
                 trim_prompt_cache(self._draft_cache, k - 1 - n)
         seq.draft_tokens += k
         seq.draft_accepted += n
+        self._window[2] += 1
         self._pending.extend(proposed[:n])
         self._next, self._head_sent = sampled[n : n + 1], False
 
