@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
             if r:  # the first round compiles and warms: not measured
                 tps[name].append(box.stats.decode_tps)
                 rate[name].append(box.stats.acceptance_rate)
+            else:  # nor learnt from: a worker's policy starts after its warm-up
+                policy[name].reset()
     engine.draft = None
 
     speedup = {}

@@ -275,7 +275,7 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     embed_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS
     #: When a lone sequence with a draft model drafts: "adaptive" (while drafting is measured faster than
     #: plain decoding, docs/engine.md) or "always" (as mlx-lm does).
-    draft_policy: str = "adaptive"
+    draft_policy: Literal["adaptive", "always"] = "adaptive"
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""

@@ -40,11 +40,27 @@ class Rate:
     #: `DraftPolicy.tokens` when it was last measured.
     at: int = 0
 
-    def add(self, seconds: float, tokens: int, now: int) -> None:
+    def add(self, seconds: float, tokens: int, now: int, *, fresh: bool = False) -> None:
+        """A window's figure; `fresh` replaces the old one (stale: measured long ago) outright."""
         s = seconds / tokens
         old = self.seconds_per_token
-        self.seconds_per_token = s if old is None else SMOOTHING * s + (1 - SMOOTHING) * old
+        self.seconds_per_token = s if old is None or fresh else SMOOTHING * s + (1 - SMOOTHING) * old
         self.at = now
+
+
+@dataclass
+class Window:
+    """One window of a sequence: its way, and its seconds, tokens and drafting rounds so far."""
+
+    drafting: bool
+    seconds: float = 0.0
+    tokens: int = 0
+    rounds: int = 0
+
+    def full(self) -> bool:
+        if self.drafting:
+            return self.rounds >= WINDOW_ROUNDS or self.tokens >= WINDOW_TOKENS
+        return self.tokens >= WINDOW_TOKENS
 
 
 class DraftPolicy:
@@ -54,39 +70,45 @@ class DraftPolicy:
     def __init__(self, *, adaptive: bool = True, retry: int = RETRY_TOKENS,
                  max_retry: int = MAX_RETRY_TOKENS) -> None:
         self.adaptive = adaptive
+        self._base_retry = retry
+        self._max_retry = max_retry
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was measured (after the worker's warm-up, whose first calls compile)."""
         self.rates = {True: Rate(), False: Rate()}  # drafting -> its rate
         #: Tokens counted in all windows so far.
         self.tokens = 0
-        self._base_retry = retry
-        self._max_retry = max_retry
-        self.retry = retry
-        self._exploring = False
-        #: Windows each way, and switches between ways (tests and stats read them).
+        self.retry = self._base_retry
+        #: The way on trial (the slower, tried again), until its window is measured; else None.
+        self._trial: bool | None = None
+        #: Windows measured each way (tests and benchmarks read them).
         self.windows = {True: 0, False: 0}
-        self.switches = 0
 
     def first(self) -> bool:
-        """The way a new sequence starts: the faster known, or drafting while not yet measured."""
-        return self._faster()
-
-    def window(self, drafting: bool, seconds: float, tokens: int) -> bool:
-        """A window of `tokens` tokens took `seconds` one way; the way the next window goes."""
+        """The way a new sequence starts: a trial cut short by the last one's end, else the faster
+        known, else drafting."""
         if not self.adaptive:
             return True
-        self.tokens += tokens
-        self.windows[drafting] += 1
-        if tokens > 0 and seconds > 0:
-            self.rates[drafting].add(seconds, tokens, self.tokens)
-        if self._exploring:  # the slower way had its window: back off if it lost again
-            self._exploring = False
-            self.retry = self._base_retry if self._faster() == drafting else min(2 * self.retry,
-                                                                                 self._max_retry)
+        return self._faster() if self._trial is None else self._trial
+
+    def window(self, w: Window) -> bool:
+        """Window `w` is over; the way the next one goes."""
+        if not self.adaptive:
+            return True
+        self.tokens += w.tokens
+        self.windows[w.drafting] += 1
+        trial = self._trial == w.drafting
+        if w.tokens > 0 and w.seconds > 0:
+            self.rates[w.drafting].add(w.seconds, w.tokens, self.tokens, fresh=trial)
+        if trial:  # the slower way had its window: back off if it lost again
+            self._trial = None
+            won = self._faster() == w.drafting
+            self.retry = self._base_retry if won else min(2 * self.retry, self._max_retry)
         best = self._faster()
         other = self.rates[not best]
         if other.seconds_per_token is None or self.tokens - other.at >= self.retry:
-            self._exploring, best = True, not best
-        if best != drafting:
-            self.switches += 1
+            self._trial = best = not best
         return best
 
     def _faster(self) -> bool:

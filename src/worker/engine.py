@@ -392,6 +392,8 @@ class Engine:
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = self._new_prefix_cache()  # warm-up is no hit
         self._seed_prefix_cache()
+        if self.draft is not None:  # its rounds compiled: not the draft's speed
+            self.draft.policy.reset()
         self.warmup_s = time.perf_counter() - t0
 
     def _new_prefix_cache(self) -> PrefixCache:

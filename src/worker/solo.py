@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
-from .draft_policy import WINDOW_ROUNDS, WINDOW_TOKENS, DraftPolicy
+from .draft_policy import DraftPolicy, Window
 from .kvcache import KVQuant, full_precision, make_cache, quantize
 from .sequence import Sequence, unsample
 
@@ -84,9 +84,8 @@ class Solo:
             self._draft_seen = 0
             #: Tokens the draft has not seen yet, before the head: at first, the whole prompt.
             self._draft_in: list[int] = list(seq.ids) if self._drafting else []
-            #: This window: its seconds and tokens so far, its rounds, and when the last `decode` began.
-            self._window = [0.0, 0, 0]
-            self._mark: float | None = None
+            self._window = Window(self._drafting)
+            self._mark: float | None = None  # when the last `decode` began
         #: Speculative: tokens in the cache, accepted, not yet delivered; and whether `_next` (the
         #: head, sampled, not in the cache) was delivered.
         self._pending: deque[int] = deque()
@@ -182,20 +181,16 @@ class Solo:
         A drafting window ends between rounds (the head delivered, nothing pending), a plain one after
         any token; either has then delivered every token it computed, so no token is lost or repeated.
         """
-        now = time.perf_counter()
+        now, w = time.perf_counter(), self._window
         if self._mark is not None:
-            self._window[0] += now - self._mark
-            self._window[1] += 1
+            w.seconds += now - self._mark
+            w.tokens += 1
         self._mark = now
-        seconds, tokens, rounds = self._window
-        if self._drafting:
-            if self._pending or not self._head_sent or (rounds < WINDOW_ROUNDS and tokens < WINDOW_TOKENS):
-                return
-        elif tokens < WINDOW_TOKENS:
+        if not w.full() or (self._drafting and (self._pending or not self._head_sent)):
             return
         assert self._draft is not None
-        drafting = self._draft.policy.window(self._drafting, seconds, tokens)
-        self._window = [0.0, 0, 0]
+        drafting = self._draft.policy.window(w)
+        self._window = Window(drafting)
         if drafting and not self._drafting:  # `_next`, queued, is the head: the draft catches up first
             self._draft_in = self.tokens[self._draft_seen :]
             self._head_sent = False
@@ -251,7 +246,7 @@ class Solo:
                 trim_prompt_cache(self._draft_cache, k - 1 - n)
         seq.draft_tokens += k
         seq.draft_accepted += n
-        self._window[2] += 1
+        self._window.rounds += 1
         self._pending.extend(proposed[:n])
         self._next, self._head_sent = sampled[n : n + 1], False
 
@@ -264,10 +259,9 @@ class Solo:
             self._draft_in.append(self._head)
             return mx.array([], dtype=mx.uint32)
         feed, self._draft_in = [*self._draft_in, self._head], []
-        while len(feed) > self._step_size:  # a long prompt the draft has not seen: in chunks
-            draft.model(mx.array(feed[: self._step_size])[None], cache=self._draft_cache)
-            mx.eval([c.state for c in self._draft_cache])
-            feed = feed[self._step_size :]
+        if len(feed) > 2:  # more than a round leaves: the prompt, or what plain decoding made
+            self._catch_up(feed[:-1])
+            feed = feed[-1:]
         y = mx.array(feed)
         out: list[mx.array] = []
         context = mx.array([*self.tokens, self._head], dtype=mx.uint32)
@@ -278,6 +272,17 @@ class Solo:
             y = mx.argmax(logits, axis=-1).astype(mx.uint32)
             out.append(y)
         return mx.concatenate(out)
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        """Prefill the draft with `tokens`, in chunks; the time is not the window's (a one-off cost that
+        would make drafting look slower the longer it was left, and so leave it longer still)."""
+        assert self._draft is not None
+        t0 = time.perf_counter()
+        for i in range(0, len(tokens), self._step_size):
+            self._draft.model(mx.array(tokens[i : i + self._step_size])[None], cache=self._draft_cache)
+            mx.eval([c.state for c in self._draft_cache])
+        if self._mark is not None:
+            self._mark += time.perf_counter() - t0
 
     def _sample(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """The target's token after each of `inputs`, as its batch step would sample it there."""
