@@ -43,7 +43,9 @@ PARTS = ("components", "concurrency", "agent")
 NATIVE_BATCH = "native-batch"
 DEFAULT_CONCURRENCY = "1,4,16"
 FULL_CONCURRENCY = "1,4,16,32"  # --full, and the default on a GPU
-AGENT_FLAGS = ("agents", "turns", "reply_tokens", "system_words", "agent_rounds", "agent_warmup_rounds")
+AGENT_FLAGS = (
+    "agents", "turns", "reply_tokens", "system_words", "user_words", "agent_rounds", "agent_warmup_rounds"
+)
 DEFAULTS = {"prompt_tokens": 128, "gen_tokens": 128, "rounds": 5}
 QUICK = {"prompt_tokens": 32, "gen_tokens": 32, "rounds": 2}
 WARMUP_TOKENS = 16
@@ -180,6 +182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.add_argument("--turns", type=int, help="turns per agent (user message, then the reply)")
     a.add_argument("--reply-tokens", type=int, help="tokens per reply (max_tokens; EOS off where it can be)")
     a.add_argument("--system-words", type=int, help="words of the shared system prompt")
+    a.add_argument(
+        "--user-words", type=int, help=f"words of each user message (default {agents.USER_WORDS})"
+    )
     a.add_argument("--agent-rounds", type=int, help="rounds, the servers alternating (default 1)")
     a.add_argument(
         "--agent-warmup-rounds",

@@ -68,6 +68,8 @@ class Sizes:
     turns: int
     reply_tokens: int
     system_words: int
+    #: Words of corpus text in each user message (fewer: more turns fit a small model's context).
+    user_words: int = USER_WORDS
     rounds: int = 1
     #: Unmeasured rounds on every server before the measured ones (kernel compilation, caches).
     warmup_rounds: int = 0
@@ -111,9 +113,9 @@ def system_prompt(words: int, *, seed: int) -> str:
     return _words(words, random.Random(seed)) + "\n\nYou are one of a team of careful assistants."
 
 
-def user_message(agent: int, turn: int, *, seed: int) -> str:
+def user_message(agent: int, turn: int, *, seed: int, words: int = USER_WORDS) -> str:
     """Agent `agent`'s message at `turn` (0-based) of round `seed`: its own, so conversations part."""
-    return f"Agent {agent}, step {turn + 1}: " + _words(USER_WORDS, random.Random(f"{seed}:{agent}:{turn}"))
+    return f"Agent {agent}, step {turn + 1}: " + _words(words, random.Random(f"{seed}:{agent}:{turn}"))
 
 
 # ---------------------------------------------------------------- one request
@@ -126,7 +128,11 @@ def _client(base_url: str) -> Any:
 
 
 def chat_turn(client: Any, server: Any, messages: Messages, max_tokens: int, **ids: int) -> Reply:
-    """Stream one chat completion; TTFT is the first chunk that carries text or token ids."""
+    """Stream one chat completion; TTFT is the first chunk that carries text, reasoning or token ids.
+
+    The reply kept for the next turn is the answer alone, as chat clients keep it (the Qwen3 templates
+    drop an earlier turn's reasoning anyway).
+    """
     start = time.perf_counter()
     stream = client.chat.completions.create(
         model=server.model,
@@ -146,7 +152,7 @@ def chat_turn(client: Any, server: Any, messages: Messages, max_tokens: int, **i
         for c in chunk.choices:
             piece = (c.delta.content if c.delta else None) or ""
             got = len(getattr(c, "token_ids", None) or [])
-            if piece or got:
+            if piece or got or _reasoning(c.delta):  # a thinking model's reply may open with its reasoning
                 first = first or time.perf_counter()
                 text.append(piece)
                 n_ids += got
@@ -167,6 +173,13 @@ def chat_turn(client: Any, server: Any, messages: Messages, max_tokens: int, **i
         finish_reason=finish,
         text="".join(text),
     )
+
+
+def _reasoning(delta: Any) -> str:
+    """A chunk's reasoning text: mlxrt sends ``reasoning_content`` and ``reasoning``, mlx_lm.server
+    ``reasoning``; neither is in the ``openai`` client's schema, so they are read from its extras."""
+    extra = getattr(delta, "model_extra", None) or {}
+    return str(extra.get("reasoning_content") or extra.get("reasoning") or "")
 
 
 def warm_up(server: Any) -> None:
@@ -200,7 +213,8 @@ def run_agents(server: Any, sizes: Sizes, *, round_: int) -> tuple[list[Reply], 
         barrier.wait()
         try:
             for t in range(sizes.turns):
-                messages.append({"role": "user", "content": user_message(i, t, seed=round_)})
+                text = user_message(i, t, seed=round_, words=sizes.user_words)
+                messages.append({"role": "user", "content": text})
                 finals[i] = list(messages)
                 r = chat_turn(client, server, messages, sizes.reply_tokens, agent=i, turn=t + 1, round=round_)
                 replies[i].append(r)
@@ -268,7 +282,8 @@ class NativeAgents:
 
         def submit(agent: int) -> None:
             turn = sum(m["role"] == "user" for m in chats[agent])
-            chats[agent].append({"role": "user", "content": user_message(agent, turn, seed=round_)})
+            text = user_message(agent, turn, seed=round_, words=sizes.user_words)
+            chats[agent].append({"role": "user", "content": text})
             req_id = agent * 1000 + turn
             box.open(req_id)
             messages = [ChatMessage(m["role"], m["content"]) for m in chats[agent]]
@@ -309,11 +324,13 @@ class _Turns:
     def started(self, req_id: int) -> None:
         pass
 
-    def token(self, req_id: int, token: int, text: str) -> None:
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls: Any = None,
+              **_: Any) -> None:
         self.first.setdefault(req_id, time.perf_counter())
-        self.text[req_id].append(text)
+        self.text[req_id].append(text)  # the answer only, as `chat_turn` keeps it
 
-    def done(self, req_id: int, stats: Any, text: str) -> None:
+    def done(self, req_id: int, stats: Any, text: str, reasoning: str = "", calls: Any = None,
+             **_: Any) -> None:
         end = time.perf_counter()
         t0 = self.t0.pop(req_id)
         reply = {

@@ -247,9 +247,10 @@ def agent_table(doc: dict) -> str:
     z = ag["sizes"]
     sp = ag.get("system_prompt", {})
     tok = f" ({sp['tokens']} tokens)" if sp.get("tokens") else ""
+    user = f", {z['user_words']}-word user messages" if z.get("user_words") else ""
     lines = [
         f"agents: {z['agents']} agents at once x {z['turns']} turns, {z['reply_tokens']}-token replies,"
-        f" one shared system prompt of {z['system_words']} words{tok}, {z['rounds']} round(s)",
+        f" one shared system prompt of {z['system_words']} words{tok}{user}, {z['rounds']} round(s)",
         "TTFT median [min-max] over agents; x uncached = that over the uncached TTFT (each agent's final-turn"
         " prompt alone on a fresh cache-off server); cached = usage.prompt_tokens_details.cached_tokens",
     ]

@@ -172,6 +172,8 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
     assert bench.make_plan(bench.parse_args(["--part", "components", "--agents", "3"])).agent
     sizes = bench.agent_sizes(bench.parse_args(["--quick", "--turns", "5", "--agent-rounds", "2"]))
     assert (sizes.agents, sizes.turns, sizes.rounds) == (agents.QUICK["agents"], 5, 2)
+    assert sizes.user_words == agents.USER_WORDS
+    assert bench.agent_sizes(bench.parse_args(["--user-words", "8"])).user_words == 8
     assert bench.agent_sizes(bench.parse_args(["--full"])).system_words == agents.FULL["system_words"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--agents", "0"])
@@ -453,7 +455,8 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc == json.loads(out_json.read_text()) and doc["status"] == "ok"
     ag = doc["agent"]
-    want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "rounds": 1, "warmup_rounds": 0}
+    want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
+            "rounds": 1, "warmup_rounds": 0}
     assert ag["sizes"] == want  # no warm-up round on a CPU
     assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", "mlx_lm.server", "native-engine"}
     assert "mlxrt-http" in ag["servers"], (ag["skipped"], proc.stderr[-3000:])

@@ -107,6 +107,8 @@ WARMUP_PROMPT = "Warm up the kernels."
 MID_WARMUP_TOKENS = 24
 #: System prompts whose templated tokens are remembered (a chat's every turn repeats its own).
 MAX_TEMPLATE_HEADS = 32
+#: How far back from a prompt's end a template's opened `<think>` is looked for (as mlx_lm.server does).
+THINK_TAIL_TOKENS = 11
 
 
 class PromptTooLongError(ValueError):
@@ -479,6 +481,19 @@ class Engine:
         end = next((i for i, (a, b) in pairs if a != b), min(len(head), len(ids)))
         return end if 0 < end < len(ids) - 1 else 0
 
+    def _turn_end(self, req: Generate, ids: list[int]) -> int:
+        """Where the chat's next turn stops repeating `ids`, when that is before their last token (0: not).
+
+        A thinking template (Qwen3.5; Qwen3.x with thinking off) ends its generation prompt with a
+        ``<think>`` that it does not render for the same reply in a later turn, so a checkpoint at the
+        prompt's end would never be found again: the "user" checkpoint goes before that tail. Only
+        for caches that cannot be trimmed; a trimmable one is cut back to any shared prefix.
+        """
+        if self.trimmable or not req.messages or self.capabilities.thinking != "think":
+            return 0
+        start = self.tokenizer.rfind_think_start(ids, start=len(ids) - THINK_TAIL_TOKENS)
+        return start if 0 < start < len(ids) - 1 else 0
+
     def _template_head(self, system: list[ChatMessage], chat) -> list[int]:
         """The template's tokens for these system messages and an empty user turn (memoised).
 
@@ -503,17 +518,19 @@ class Engine:
         check_request(req.chat, self.capabilities, self.path)
         ids = self.prompt_ids(req)
         grammar = self._grammar(req, ids)
-        system_end = self._system_end(req, ids) if self.prefix_cache.enabled and req.messages else 0
+        reuse = self.prefix_cache.enabled and req.messages
+        system_end = self._system_end(req, ids) if reuse else 0
+        turn_end = self._turn_end(req, ids) if reuse else 0
         # Only requests that ask for log-probabilities or several choices get the choices' listeners.
         group = Group(listener, p.n) if p.n > 1 or p.logprobs is not None else None
-        seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, queued_at=queued_at,
-                             listener=listener if group is None else group.choices[i])
+        seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, turn_end=turn_end,
+                             queued_at=queued_at, listener=listener if group is None else group.choices[i])
                 for i in range(p.n)]
         seqs[0].forks = seqs[1:]
         return seqs[0]
 
     def _choice(self, req: Generate, ids: list[int], index: int, *, grammar: Grammar | None,
-                system_end: int, queued_at: float, listener: Listener) -> Sequence:
+                system_end: int, turn_end: int, queued_at: float, listener: Listener) -> Sequence:
         """One choice's sequence: its own sampler (a key of its own when seeded), processors and
         grammar matcher, text stream and reply splitter."""
         p = req.params
@@ -532,6 +549,7 @@ class Engine:
             req=req,
             ids=ids,
             system_end=system_end,
+            turn_end=turn_end,
             max_tokens=min(p.max_tokens, self.request_context(req) - len(ids)),
             stop=StopSequences([(t,) for t in sorted(stop_ids)]),
             sampler=sampler,
@@ -581,7 +599,7 @@ class Engine:
         cache = full_precision(cache)  # a lone sequence's quantized cache: the batch cannot merge it
         seq.cached_tokens = n
         segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
-                                    fork=bool(seq.forks))
+                                    fork=bool(seq.forks), turn_end=seq.turn_end)
         (seq.uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[seq.max_tokens],
@@ -631,7 +649,8 @@ class Engine:
         try:
             cache, n = self.prefix_cache.fetch(seq.ids)
             seq.cached_tokens = n
-            segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable)
+            segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
+                                                       turn_end=seq.turn_end)
             o = self.options
             self._solo = Solo(self.model, seq, cache, segments, prefill_step_size=o.prefill_step_size,
                               stream=self._batch.stream, kv=self.kv, max_kv_size=o.max_kv_size,
@@ -652,7 +671,8 @@ class Engine:
             if solo.prefilling:
                 if solo.prefill() and seq.checkpoint_kinds:
                     kind = seq.checkpoint_kinds.pop()  # the cache goes on: keep a copy
-                    self.prefix_cache.insert(list(solo.tokens), copy.deepcopy(solo.cache), kind)
+                    if kind is not None:
+                        self.prefix_cache.insert(list(solo.tokens), copy.deepcopy(solo.cache), kind)
                 return
             token, mlx_reason = solo.decode(lookahead=lookahead)
             if seq.logprobs is not None:
@@ -704,10 +724,14 @@ class Engine:
         if not seq.checkpoint_kinds:
             return
         kind = seq.checkpoint_kinds.pop()
+        forking = bool(seq.forks) and not seq.checkpoint_kinds  # the prompt's end: its other choices start
+        if kind is None and not forking:
+            return
         for cache, tokens in self._batch.extract_cache([seq.uid]).values():
-            if seq.forks and not seq.checkpoint_kinds:  # the prompt's end: its other choices start here
+            if forking:
                 self._release_forks(seq, (cache, len(tokens)))
-            self.prefix_cache.insert(tokens, cache, kind)
+            if kind is not None:
+                self.prefix_cache.insert(tokens, cache, kind)
         if kind == "system":
             self._unlead(seq)
 
@@ -846,7 +870,7 @@ def _always_trimmable(cache: list) -> bool:
 
 
 def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
-              fork: bool = False) -> tuple[list, list[str]]:
+              fork: bool = False, turn_end: int = 0) -> tuple[list, list[str | None]]:
     """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
 
     An uncached system prompt is a segment of its own, checkpointed, so that
@@ -857,11 +881,19 @@ def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
     trimmable one needs no such checkpoint, the finished sequence's cache
     is trimmed back instead. A sequence with other choices to fork (n > 1) needs
     that boundary whatever its cache: they start from its cache there.
+
+    `turn_end` (`Engine._turn_end`): a tail of the prompt the next turn does not repeat begins there; it
+    is a segment of its own, the "user" checkpoint goes before it, and the boundary before the
+    prompt's last token keeps nothing (None) unless choices fork there.
     """
-    end = [] if trimmable and not fork else ["user"]
-    if cached < system_end:
-        return [ids[cached:system_end], ids[system_end:]], [*end, "system"]
-    return [ids[cached:]], end
+    end: list[str | None] = [] if trimmable and not fork else ["user"]
+    cuts = [system_end] if cached < system_end else []
+    if end and max(cached, system_end) < turn_end < len(ids) - 1:
+        cuts.append(turn_end)
+        end = [None, "user"]
+    bounds = [cached, *cuts, len(ids)]
+    segments = [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return segments, [*end, *(["system"] if cached < system_end else [])]
 
 
 class _Quiet:

@@ -266,8 +266,10 @@ class Sequence:
     #: Decode steps this sequence took part in, and the batch sizes of those steps, summed.
     steps: int = 0
     batch_size_sum: int = 0
-    #: Kinds of the prompt checkpoints still to take, last first.
-    checkpoint_kinds: list[str] = field(default_factory=list)
+    #: Where a prompt tail the chat's next turn does not repeat begins (0: none; `Engine._turn_end`).
+    turn_end: int = 0
+    #: Kinds of the prompt checkpoints still to take, last first (None: a boundary that keeps nothing).
+    checkpoint_kinds: list[str | None] = field(default_factory=list)
     #: The system prompt this sequence prefills for others that wait for its checkpoint.
     leads: tuple[int, ...] | None = None
     #: Splits a chat reply into answer, reasoning and tool calls (`reply.py`); None: text as it is.

@@ -1,0 +1,416 @@
+"""``python -m benchmarks.families``: the harness on each model family, one summary row per family.
+
+For each preset (issue 15) it runs ``python -m benchmarks`` once, in a process
+of its own, with the parts the issue asks for: the single stream (native,
+mlxrt over the ring and over HTTP, mlx_lm.server and the GGUF peers where
+they run), N streams at once (``--streams``, 16) and the agent part (mlxrt
+HTTP, mlx_lm.server and mlxrt's engine in-process). A process per family
+frees each model's memory with it, and a family whose run fails loses only
+its own row. Each run's JSON is reduced to one row:
+
+- single stream: decode tok/s of mlxrt (ring, HTTP) and mlx_lm.server over
+  native's in the same round (median [min-max] of the per-round ratios), and
+  whether mlxrt's ids were native's (the harness's gate);
+- N streams: aggregate tok/s of mlxrt HTTP over mlx_lm.server's and over
+  native-batch's (one burst each), and each target's median TTFT;
+- agents: aggregate tok/s over mlx_lm.server's (paired per round), the
+  median TTFT of turns 2..T, and the prefix-cache hit rate: cached prompt
+  tokens over prompt tokens, turns 2..T, where the server reports them.
+
+The table goes to stdout, then one JSON line (the rows, the sizes, the
+machine); ``--out`` gets the same document with every family's whole harness
+JSON under ``runs``. Sizes default to the CPU tiny presets' (``--sizes cpu``:
+the agents' chats fit their 512-token context) or, where MLX has a GPU, the
+issue's real shapes (``--sizes gpu``); any flag below overrides its size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .env import backend, describe
+from .measure import finite, ratio_spread, spread
+from .report import Progress, _f
+
+TINY = ("tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5", "tiny-gemma3", "tiny-gpt-oss")
+REAL = ("qwen2.5-7b-4bit", "llama3.1-8b-4bit", "qwen3-8b-4bit", "qwen3-30b-a3b-4bit", "qwen3.5-27b-4bit",
+        "gemma3-12b-4bit", "gpt-oss-20b-4bit")
+PARTS = "native,mlxrt-ring,mlxrt-http,concurrency,agent"
+PEERS = "mlx_lm.server,llama.cpp,ollama"
+HTTP, PEER, BATCH, ENGINE = "mlxrt-http", "mlx_lm.server", "native-batch", "native-engine"
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """One family's workload: the harness's flags of the same names."""
+
+    prompt_tokens: int
+    gen_tokens: int
+    rounds: int
+    streams: str
+    agents: int
+    turns: int
+    reply_tokens: int
+    system_words: int
+    user_words: int
+    agent_rounds: int
+
+
+#: The tiny presets on a 2-core CPU, about a minute a family: 4 agents x 3 turns of 16 tokens over
+#: 40 + 12 words stay under their 512-token context (at most 459 tokens, gpt-oss's, whose harmony
+#: preamble alone is ~120); more rounds than the harness's 5, the runs being short.
+CPU = Sizes(prompt_tokens=128, gen_tokens=128, rounds=9, streams="16", agents=4, turns=3, reply_tokens=16,
+            system_words=40, user_words=12, agent_rounds=5)
+#: The real shapes on a GPU: the issue's 16 streams and 8 agents x 6 turns x 64 tokens over a
+#: 1,500-word system prompt, prompts as the GPU batching runs had them.
+GPU = Sizes(prompt_tokens=512, gen_tokens=256, rounds=5, streams="16", agents=8, turns=6, reply_tokens=64,
+            system_words=1500, user_words=24, agent_rounds=2)
+#: --quick: a check that every part runs on every family.
+QUICK = Sizes(prompt_tokens=32, gen_tokens=32, rounds=2, streams="16", agents=2, turns=3, reply_tokens=8,
+              system_words=40, user_words=12, agent_rounds=1)
+PROFILES = {"cpu": CPU, "gpu": GPU}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.families",
+        description="The harness (python -m benchmarks) on each model family, one summary row per family.",
+    )
+    p.add_argument("--presets", help=f"comma-separated synthetic presets, or model references with ':' or '/'"
+                   f" (default: {','.join(TINY)} with --sizes cpu, {','.join(REAL)} with --sizes gpu)")
+    p.add_argument("--sizes", choices=sorted(PROFILES),
+                   help="the defaults below: cpu (tiny presets) or gpu (real shapes); default: by backend")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 32 tokens; 2 agents x 3 turns x 8")
+    for f in Sizes.__dataclass_fields__:
+        kind = str if f == "streams" else int
+        p.add_argument(f"--{f.replace('_', '-')}", type=kind,
+                       help=f"(cpu {getattr(CPU, f)}, gpu {getattr(GPU, f)})")
+    p.add_argument("--peers", default=PEERS, help=f"the harness's --peers (default {PEERS})")
+    p.add_argument("--out", help="where the JSON goes (default bench-results/families-<timestamp>.json)")
+    p.add_argument("--remove-made-models", action="store_true",
+                   help="delete a synthetic model after its family's run when this run made it (the real"
+                   " shapes take 64 GB together)")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"limit of one family's run, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    return p.parse_args(argv)
+
+
+def sizes_of(args: argparse.Namespace) -> tuple[str, Sizes]:
+    """The profile's name and its sizes, with --quick and every size flag given applied."""
+    name = args.sizes or ("cpu" if backend() == "cpu" else "gpu")
+    base = QUICK if args.quick else PROFILES[name]
+    given = {f: getattr(args, f) for f in Sizes.__dataclass_fields__ if getattr(args, f) is not None}
+    return name, replace(base, **given)
+
+
+def model_ref(preset: str) -> str:
+    return preset if (":" in preset or "/" in preset) else f"synthetic:{preset}"
+
+
+def harness_argv(model: str, sizes: Sizes, *, peers: str, json_path: Path) -> list[str]:
+    """The ``python -m benchmarks`` command line of one family's run."""
+    argv = [sys.executable, "-m", "benchmarks", "--model", model, "--part", PARTS, "--peers", peers,
+            "--workers", "1", "--no-plot", "--json", str(json_path)]
+    for f, v in asdict(sizes).items():
+        argv += [f"--{f.replace('_', '-')}", str(v)]
+    return argv
+
+
+def made_dir(model: str) -> Path | None:
+    """The directory a synthetic `model` is made in, when it is not there yet (else None)."""
+    from mlxrt.orchestrator.models import SYNTHETIC_PREFIX
+    from mlxrt.worker.synthetic import default_model_dir, parse_synthetic
+
+    if not model.startswith(SYNTHETIC_PREFIX):
+        return None
+    ref = parse_synthetic(model.removeprefix(SYNTHETIC_PREFIX))
+    if ref.is_variant or ref.vocab is not None:
+        return None  # made beside the preset: left alone
+    d = default_model_dir(ref.preset, ref.seed)
+    return None if d.exists() else d
+
+
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped for a full listen backlog (Linux), else None.
+
+    mlx_lm.server listens with Python's default backlog of 5: N streams connecting at once can
+    overflow it, and a dropped connection retries after a second, which lands in its TTFT.
+    """
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for head, vals in zip(lines[::2], lines[1::2], strict=False):
+        if head.startswith("TcpExt:"):
+            row = dict(zip(head.split()[1:], vals.split()[1:], strict=False))
+            return int(row["ListenOverflows"]) if "ListenOverflows" in row else None
+    return None
+
+
+def run_family(model: str, sizes: Sizes, *, peers: str, timeout_s: float, work: Path,
+               say: Progress) -> dict[str, Any]:
+    """One harness run: its JSON document (None if it wrote none), exit status, seconds, overflows."""
+    path = work / f"{model.replace('/', '_').replace(':', '_')}.json"
+    before = listen_overflows()
+    t0 = time.perf_counter()
+    try:  # the harness's progress goes straight to our stderr; its tables are in its JSON
+        proc = subprocess.run(harness_argv(model, sizes, peers=peers, json_path=path), stdout=subprocess.PIPE,
+                              text=True, timeout=timeout_s)
+        rc: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = f"did not finish within {timeout_s:g} s (--timeout-s)"
+        say(f"{model}: {rc}")
+    after = listen_overflows()
+    doc = json.loads(path.read_text()) if path.is_file() else None
+    if doc is None and isinstance(rc, int) and proc.stdout.strip():
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])  # a crash: the harness says why on stdout
+    return {"doc": doc, "exit": rc, "elapsed_s": time.perf_counter() - t0,
+            "listen_overflows": None if before is None or after is None else after - before}
+
+
+# ---------------------------------------------------------------- one row
+
+
+def _median(xs: list[float]) -> float | None:
+    return spread(xs)["median"] if xs else None
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def single_stream(doc: dict[str, Any]) -> dict[str, Any]:
+    """Decode tok/s over native's, paired per round, and whether mlxrt's ids were native's."""
+    scen = doc.get("scenarios") or {}
+    out: dict[str, Any] = {"native_tps": (scen.get("native") or {}).get("decode_tps")}
+    for name in ("mlxrt-ring", HTTP, PEER, "llama.cpp", "ollama"):
+        s = scen.get(name)
+        if s is None:
+            continue
+        tokens = s.get("tokens") or {}
+        out[name] = {
+            "decode_tps": s["decode_tps"],
+            "x_native": s.get("ratio_to_native"),
+            "ids_identical": tokens.get("identical") if s.get("token_checked") else None,
+            "agree_pct": tokens.get("agree_pct"),
+        }
+    return out
+
+
+def streams(doc: dict[str, Any]) -> dict[str, Any]:
+    """The largest stream count: aggregate tok/s and median TTFT per target, mlxrt HTTP's ratios."""
+    conc = doc.get("concurrency") or {}
+    levels = conc.get("levels") or []
+    if not levels:
+        return {"not_run": conc.get("not_run", "no stream counts")}
+    n = str(max(levels))
+    targets = {name: lv[n] for name, lv in (conc.get("targets") or {}).items() if n in lv}
+    out: dict[str, Any] = {"streams": int(n), "skipped": conc.get("skipped") or {}}
+    for name, f in targets.items():
+        out[name] = {"aggregate_tps": f["aggregate_tps"], "ttft_ms_median": f["ttft_ms"]["median"],
+                     "ttft_ms_p90": f["ttft_ms"]["p90"]}
+    tps = {name: f["aggregate_tps"] for name, f in targets.items()}
+    out["http_x_mlx_lm_server"] = _div(tps.get(HTTP), tps.get(PEER))
+    out["http_x_native_batch"] = _div(tps.get(HTTP), tps.get(BATCH))
+    return out
+
+
+def agent_server(sv: dict[str, Any], reply_tokens: int) -> dict[str, Any]:
+    """One server's agent figures; turns 2..T are the turns a prefix cache can serve."""
+    later = [r for r in sv["requests"] if r["turn"] >= 2]
+    counted = [r for r in later if r["cached_tokens"] is not None and r["prompt_tokens"]]
+    return {
+        "aggregate_tps": sv["aggregate_tps"],
+        "round_tps": [r["aggregate_tps"] for r in sv["rounds"]],
+        "later_turn_ttft_ms": _median([r["ttft_ms"] for r in later]),
+        "first_turn_ttft_ms": _median([r["ttft_ms"] for r in sv["requests"] if r["turn"] == 1]),
+        "hit_rate": sum(r["cached_tokens"] for r in counted) / sum(r["prompt_tokens"] for r in counted)
+        if counted else None,
+        "hit_rate_requests": len(counted),
+        "short_replies": sum(r["reply_tokens"] < reply_tokens for r in sv["requests"]),  # ended early
+    }
+
+
+def agents_row(doc: dict[str, Any]) -> dict[str, Any]:
+    ag = doc.get("agent") or {}
+    if not ag.get("servers"):
+        return {"not_run": ag.get("not_run") or ag.get("skipped") or "no server ran"}
+    reply = ag["sizes"]["reply_tokens"]
+    out: dict[str, Any] = {n: agent_server(sv, reply) for n, sv in ag["servers"].items()}
+    out["skipped"] = ag.get("skipped") or {}
+    out["same_replies_pct"] = ag.get("same_replies_pct")
+    if HTTP in out and PEER in out:
+        a, b = out[HTTP]["round_tps"], out[PEER]["round_tps"]
+        out["http_x_mlx_lm_server"] = ratio_spread(a, b) if len(a) == len(b) else None
+        out["later_ttft_http_x_mlx_lm_server"] = _div(out[HTTP]["later_turn_ttft_ms"],
+                                                     out[PEER]["later_turn_ttft_ms"])
+    return out
+
+
+def summarize(preset: str, model: str, run: dict[str, Any]) -> dict[str, Any]:
+    """One family's row from its harness run."""
+    doc = run["doc"] or {}
+    row: dict[str, Any] = {
+        "preset": preset,
+        "model": model,
+        "model_type": _model_type(doc.get("config", {}).get("model_path")),
+        "status": doc.get("status", "no-document"),
+        "exit": run["exit"],
+        "elapsed_s": run["elapsed_s"],
+        "listen_overflows": run["listen_overflows"],
+    }
+    if doc.get("status") == "crash" or not doc.get("scenarios"):
+        row["error"] = doc.get("error") or (doc.get("skipped") or {}).get("native") or "no figures"
+        return row
+    gate = doc.get("gate") or {}
+    row.update(
+        gate={"passed": gate.get("passed"), "mismatched": gate.get("mismatched"), "mode": gate.get("mode")},
+        single=single_stream(doc),
+        streams=streams(doc),
+        agents=agents_row(doc),
+        skipped=doc.get("skipped") or {},
+    )
+    return row
+
+
+def _model_type(path: str | None) -> str | None:
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type") if path else None
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _ratio(s: dict | None) -> str:
+    if not s or not s.get("n"):
+        return "-"
+    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _pair(a: Any, b: Any, fmt: str = ".0f") -> str:
+    return f"{_f(a, fmt)} / {_f(b, fmt)}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown summary: one row per family."""
+    head = ("| family | `model_type` | ids = native | 1 stream: ring x native | HTTP x native | mlx_lm.server"
+            " x native | N streams: HTTP tok/s | x mlx_lm.server | x native-batch | TTFT ms HTTP / mlx_lm |"
+            " agents: HTTP x mlx_lm.server | later-turn TTFT ms HTTP / mlx_lm | hit rate HTTP / mlx_lm |")
+    lines = [head, "|" + " --- |" * head.count(" |")]
+    for r in rows:
+        if "single" not in r:
+            lines.append(f"| `{r['preset']}` | {r.get('model_type') or '-'} | {r['status']}: {r.get('error')}"
+                         " |")
+            continue
+        s, c, a = r["single"], r["streams"], r["agents"]
+        ids = {True: "yes", False: "**no**", None: "-"}[r["gate"]["passed"]]
+        http_c, peer_c = c.get(HTTP) or {}, c.get(PEER) or {}
+        http_a, peer_a = a.get(HTTP) or {}, a.get(PEER) or {}
+        lines.append(
+            f"| `{r['preset']}` | {r.get('model_type') or '-'} | {ids}"
+            f" | {_ratio((s.get('mlxrt-ring') or {}).get('x_native'))}"
+            f" | {_ratio((s.get(HTTP) or {}).get('x_native'))}"
+            f" | {_ratio((s.get(PEER) or {}).get('x_native'))}"
+            f" | {_f(http_c.get('aggregate_tps'), '.0f')}"
+            f" | {_x(c.get('http_x_mlx_lm_server'))} | {_x(c.get('http_x_native_batch'))}"
+            f" | {_pair(http_c.get('ttft_ms_median'), peer_c.get('ttft_ms_median'))}"
+            f" | {_ratio(a.get('http_x_mlx_lm_server'))}"
+            f" | {_pair(http_a.get('later_turn_ttft_ms'), peer_a.get('later_turn_ttft_ms'))}"
+            f" | {_pct(http_a.get('hit_rate'))} / {_pct(peer_a.get('hit_rate'))} |"
+        )
+    return "\n".join(lines)
+
+
+def notes(rows: list[dict[str, Any]]) -> list[str]:
+    """What the table leaves out: skips, failed parts, replies cut short, dropped connections."""
+    out = []
+    for r in rows:
+        name = r["preset"]
+        if r["exit"] not in (0, None):
+            out.append(f"{name}: the harness exited {r['exit']} ({r['status']})")
+        for k, why in (r.get("skipped") or {}).items():
+            out.append(f"{name}: {k} skipped: {why}")
+        for part in ("streams", "agents"):
+            p = r.get(part) or {}
+            if p.get("not_run"):
+                out.append(f"{name}: {part} not run: {p['not_run']}")
+            for k, why in (p.get("skipped") or {}).items():
+                out.append(f"{name}: {part}: {k} skipped: {why}")
+        for k, sv in (r.get("agents") or {}).items():
+            if isinstance(sv, dict) and sv.get("short_replies"):
+                out.append(f"{name}: agents: {k}: {sv['short_replies']} replies ended before their max_tokens"
+                           " (the context was full)")
+        if r.get("listen_overflows"):
+            out.append(f"{name}: {r['listen_overflows']} connections dropped by a full listen backlog during"
+                       " the run (mlx_lm.server listens with a backlog of 5; a dropped connection retries"
+                       " after 1 s, inside its TTFT)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    profile, sizes = sizes_of(args)
+    default = TINY if profile == "cpu" else REAL
+    presets = [p.strip() for p in (args.presets or ",".join(default)).split(",") if p.strip()]
+    say = Progress()
+    rows, runs = [], {}
+    with tempfile.TemporaryDirectory(prefix="mlxrt-families-") as tmp:
+        for i, preset in enumerate(presets):
+            model = model_ref(preset)
+            made = made_dir(model) if args.remove_made_models else None
+            say(f"family {i + 1}/{len(presets)}: {model}")
+            run = run_family(model, sizes, peers=args.peers, timeout_s=args.timeout_s, work=Path(tmp),
+                             say=say)
+            runs[preset] = run["doc"]
+            rows.append(summarize(preset, model, run))
+            say(f"{preset}: {rows[-1]['status']} in {run['elapsed_s']:.0f} s")
+            if made is not None and made.exists():
+                say(f"removing {made} (--remove-made-models)")
+                shutil.rmtree(made)
+    doc = {
+        "benchmark": "mlxrt-families",
+        "config": {"presets": presets, "profile": profile, "quick": args.quick, "sizes": asdict(sizes),
+                   "peers": args.peers, "parts": PARTS},
+        "rows": rows,
+        "notes": notes(rows),
+        "env": describe(),
+        "elapsed_s": say.elapsed_s,
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path("bench-results") / f"families-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(finite({**doc, "runs": runs}), allow_nan=False) + "\n", encoding="utf-8")
+    print(f"families: {', '.join(presets)} ({profile} sizes{', quick' if args.quick else ''}): "
+          + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
+    print()
+    print(table(rows))
+    print()
+    for line in doc["notes"]:
+        print(f"- {line}")
+    print(f"\nwritten: {out}")
+    print(json.dumps(finite({**doc, "outputs": {"json": str(out)}}), default=str, allow_nan=False))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
