@@ -33,6 +33,7 @@ from . import agents, components, records, report
 from .concurrency import run_level
 from .env import backend, default_preset, describe, git_commit
 from .gate import Gate, first_divergence
+from .http_scenario import connect_retries
 from .measure import Run, agreement, diff_spread, finite, peak_rss_bytes, ratio_spread, spread, text_agreement
 from .peers import PEERS, LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
 from .scenarios import Embedded, Native, NativeBatch, Skipped
@@ -467,7 +468,9 @@ class Suite:
                                  for i in range(n)]
                         fresh += n
                         run_level(s, burst, self.args.gen_tokens)
+                    retried = connect_retries.value
                     figures, runs = run_level(s, self.conc_prompts[n], self.args.gen_tokens)
+                    figures["connect_retries"] = connect_retries.value - retried
                 except Exception as exc:  # e.g. out of memory at 32 streams: the smaller counts stand
                     out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
                     self.say(f"skip concurrency {name}: {out['skipped'][name]}")
@@ -479,9 +482,11 @@ class Suite:
                     self.concurrency_runs.setdefault(name, {})[n] = runs
                 out["targets"].setdefault(name, {})[str(n)] = figures
                 ttft = figures["ttft_ms"]
+                retries = figures["connect_retries"]
                 self.say(
                     f"  {report._f(figures['aggregate_tps'])} tok/s aggregate, TTFT median "
                     f"{report._f(ttft['median'])} ms, p90 {report._f(ttft['p90'])} ms"
+                    + (f", {retries} connection(s) retried after a reset" if retries else "")
                 )
         self.concurrency_references()
         out["reference"] = {str(n): b for n, b in self.conc_ref_basis.items()}

@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -77,13 +78,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: A connection reset or refused before the response began is retried this many times, after 0.5 s,
+#: then 1 s: what the official openai client does (max_retries=2). A server whose listen backlog
+#: overflows in a burst (mlx_lm.server's is Python's default of 5) is then measured as its users'
+#: clients see it, the wait in its TTFT, instead of failing the whole level.
+CONNECT_RETRIES = 2
+_CONNECT_ERRORS = (ConnectionResetError, ConnectionRefusedError, BrokenPipeError,
+                   http.client.RemoteDisconnected)
+
+
+class _Count:
+    """A count shared by the streams' threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.value += 1
+
+
+#: Connection retries made so far, by every stream (the concurrency part reports each level's).
+connect_retries = _Count()
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection,
+                                                                 http.client.HTTPResponse]:
+    """POST `body` on a fresh connection, retried (`CONNECT_RETRIES`) if it is reset or refused
+    before the response starts; the connection and its response."""
+    payload, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+    for attempt in range(CONNECT_RETRIES + 1):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+        try:
+            conn.request("POST", path, body=payload, headers=headers)
+            return conn, conn.getresponse()
+        except _CONNECT_ERRORS:
+            conn.close()
+            if attempt == CONNECT_RETRIES:
+                raise
+            connect_retries.add()
+            time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 def sse_data(port: int, path: str, body: dict[str, Any]) -> Iterator[bytes]:
     """POST `body` on a fresh connection; yield each SSE ``data:`` payload up to ``[DONE]``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+    conn, resp = _post(port, path, body)
     try:
-        headers = {"Content-Type": "application/json"}
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
-        resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"POST {path}: HTTP {resp.status}: {resp.read()[:300]!r}")
         while line := resp.readline():

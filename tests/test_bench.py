@@ -532,3 +532,37 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
     assert doc["env"]["commit"] and doc["env"]["versions"]["mlx"]
     assert Path(doc["outputs"]["png"]).is_file()
     assert records.read(tsv)[0]["status"] == "keep" and "where the microseconds go" in proc.stdout
+
+
+def test_a_connection_reset_before_the_response_is_retried():
+    """A server that resets the first connection (a listen backlog overflowing in a burst): the
+    stream retries as the openai client does, gets its events and counts the retry; a server that
+    resets every attempt fails the stream once the retries are spent."""
+    from benchmarks import http_scenario
+
+    def serve(listener: socket.socket, resets: int, answer: bool) -> None:
+        for _ in range(resets):
+            conn, _ = listener.accept()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()  # with a RST, not a FIN
+        if answer:
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                         b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+            conn.close()
+
+    attempts = http_scenario.CONNECT_RETRIES + 1
+    for resets, answer in ((1, True), (attempts, False)):
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            threading.Thread(target=serve, args=(listener, resets, answer), daemon=True).start()
+            before = http_scenario.connect_retries.value
+            stream = http_scenario.sse_data(listener.getsockname()[1], "/v1/completions", {})
+            if answer:
+                assert list(stream) == [b'{"choices": []}\n']
+            else:
+                with pytest.raises(OSError):
+                    list(stream)
+            assert http_scenario.connect_retries.value - before == (resets if answer else attempts - 1)
