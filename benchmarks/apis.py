@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any
 import msgspec
 from mlxrt.worker.synthetic import ensure_model
 
+from .concurrency import run_threads
 from .env import default_preset, describe
 from .http_scenario import MODEL_NAME, HttpStream, sse_data
 from .measure import finite, ratio_spread, spread
@@ -107,25 +107,20 @@ CLIENTS: dict[str, Callable[[int, int], Stream]] = {
     "chat": chat, "messages": messages, "responses": responses}
 
 
+@dataclass(frozen=True)
+class _Client:
+    """One API's client as a `run_threads` scenario: each run streams one request."""
+
+    api: str
+    port: int
+
+    def run(self, _prompt: None, tokens: int) -> Stream:
+        return CLIENTS[self.api](self.port, tokens)
+
+
 def together(api: str, port: int, tokens: int, streams: int) -> tuple[float, list[Stream]]:
     """`streams` requests through `api` at once: the aggregate decode rate (tokens/s) and the streams."""
-    out: list[Stream | None] = [None] * streams
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            out[i] = CLIENTS[api](port, tokens)
-        except BaseException as exc:  # reported below, in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    done = [s for s in out if s is not None]
+    done = run_threads(_Client(api, port), [None] * streams, tokens)
     if streams == 1:
         return done[0].decode_tps, done
     first = min(s.times[0] for s in done)

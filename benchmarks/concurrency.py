@@ -24,7 +24,7 @@ def run_level(scenario: Any, prompts: list[list[int]], gen_tokens: int) -> tuple
     return level_figures(runs), runs
 
 
-def run_threads(scenario: Any, prompts: list[list[int]], gen_tokens: int) -> list[Run]:
+def run_threads(scenario: Any, prompts: list[Any], gen_tokens: int) -> list[Any]:
     """``scenario.run`` once per prompt, each from its own thread, released together by a barrier."""
     streams = len(prompts)
     barrier = threading.Barrier(streams)
