@@ -18,9 +18,11 @@ import argparse
 import json
 import statistics
 
+from mlx_lm.models import base
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
+from mlxrt.worker import kvcache
 from mlxrt.worker.engine import Engine, device_name, resolve_model_path
-from mlxrt.worker.kvcache import KVQuant
+from mlxrt.worker.kvcache import KVQuant, check_quantizable
 
 from .env import default_preset, describe
 from .speculative import _Box
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine(resolve_model_path(target), options=EngineOptions())
     contexts = a.context or [1024, 3072]
     kinds: list[int | None] = [None, *(a.bits or [8, 4])]
+    for bits in kinds[1:]:  # as a worker's load does: where kernels are missing, the fallback goes in
+        check_quantizable(engine.model, KVQuant(bits, a.group_size, 0))
+    fallback = base.quantized_scaled_dot_product_attention is not kvcache.MLX_LM_ATTENTION
     unit = engine.tokenizer.encode("The tide came in over the rocks while the gulls argued. ")
     rows: dict[str, dict[str, list[float]]] = {}
     for r in range(a.rounds + 1):
@@ -63,6 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     engine.kv = None
     print(f"{target} on {device_name()}, {a.rounds} rounds, {a.tokens} tokens decoded, group {a.group_size}; "
           "median [min-max]")
+    how = ("dequantized first (kvcache.dequantized_attention: MLX lacks mlx-lm's kernels)" if fallback
+           else "mlx-lm's quantized_matmul")
+    print(f"attention over a quantized cache: {how}")
     print(f"{'configuration':24} {'KV cache MB':>12} {'MLX peak MB':>12} {'decode tok/s':>24}")
     for name, row in rows.items():
         t = row["decode_tps"]
@@ -70,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         tps = f"{statistics.median(t):10.1f} [{min(t):.1f}-{max(t):.1f}]"
         print(f"{name:24} {cache:12.1f} {peak:12.1f} {tps}")
     result = {"target": target, "tokens": a.tokens, "group_size": a.group_size, "rows": rows,
+              "dequantized_attention": fallback,
               "env": describe()}
     print(json.dumps(result))
     return result

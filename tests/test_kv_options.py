@@ -146,3 +146,92 @@ def test_worker_refuses_kv_options_the_model_cannot_take(tiny_model):
         Engine(tiny_model, options=EngineOptions(kv_bits=8, kv_group_size=32))
     with pytest.raises(ValueError, match="invalid max_kv_size=64: this model makes its own caches"):
         Engine(str(ensure_model("tiny-gemma3")), options=EngineOptions(max_kv_size=64))
+
+
+def test_dequantized_attention_matches_mlx_lm_quantized_attention():
+    """The fallback computes mlx-lm's quantized attention: a decode step and a causal prefill chunk,
+    grouped-query heads, the same output up to rounding."""
+    from mlx_lm.models import base
+    from mlxrt.worker.kvcache import dequantized_attention
+
+    mx.random.seed(0)
+    for queries, keys in ((1, 40), (7, 29)):
+        q = mx.random.normal((1, 4, queries, 64))
+        k, v = (mx.quantize(mx.random.normal((1, 2, keys, 64)), group_size=64, bits=8) for _ in range(2))
+        mask = "causal" if queries > 1 else None
+        got = dequantized_attention(q, k, v, scale=0.125, mask=mask, group_size=64, bits=8)
+        # (mlx-lm's scales the queries in place: it runs second)
+        want = base.quantized_scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, group_size=64,
+                                                           bits=8)
+        assert got.shape == want.shape
+        assert mx.abs(got - want).max().item() < 1e-4
+
+
+def missing_kernels(monkeypatch, *, prefill_only: bool) -> None:
+    """mlx-lm's quantized attention as MLX's CUDA build runs it where kernels are missing: MLX's error
+    for a prefill chunk (and, unless `prefill_only`, a decode step), probed as on CUDA."""
+    from mlx_lm.models import base
+    from mlxrt.worker import kvcache
+
+    native = kvcache.MLX_LM_ATTENTION
+
+    def attention(queries, *args, **kwargs):
+        if queries.shape[-2] > 1 or not prefill_only:
+            raise RuntimeError("[quantized_matmul] No implementation for problem shape: 36x100x64x8")
+        return native(queries, *args, **kwargs)
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", attention)
+    monkeypatch.setattr(kvcache, "MLX_LM_ATTENTION", attention)
+    monkeypatch.setattr(kvcache, "may_lack_kernels", lambda: True)
+    monkeypatch.setattr(kvcache, "PROBE_SHAPES", ((1, 1), (1, 65), (37, 101)))
+
+
+@pytest.mark.parametrize("prefill_only", [True, False], ids=["prefill", "prefill-and-decode"])
+def test_missing_attention_kernels_fall_back_to_dequantized_attention(small_path, monkeypatch, prefill_only):
+    """Where MLX lacks kernels for quantized attention (MLX's CUDA build for a prefill chunk), the load
+    finds out and the engine attends over the dequantized cache instead: prefill chunks on a
+    quantized cache go through the fallback, the cache stays quantized, and every forced position's
+    next-token distribution is that of mlx-lm's quantized attention."""
+    from mlxrt.worker import kvcache
+
+    options = EngineOptions(kv_bits=8, quantized_kv_start=0, prefill_step_size=16)
+    native = Engine(small_path, options=options)
+    ids = corpus_ids(native.tokenizer, PROMPT_TOKENS + FORCED_TOKENS)
+    reference = forced_logprobs(native, ids)
+
+    missing_kernels(monkeypatch, prefill_only=prefill_only)
+    calls: list[int] = []
+    fallback = kvcache.dequantized_attention
+
+    def counted(queries, *args, **kwargs):
+        calls.append(queries.shape[-2])
+        return fallback(queries, *args, **kwargs)
+
+    monkeypatch.setattr(kvcache, "dequantized_attention", counted)
+    engine = Engine(small_path, options=options)
+    calls.clear()  # the load's own probe
+    got = forced_logprobs(engine, ids)
+    assert any(n > 1 for n in calls)  # the prefill's later chunks attend over a quantized cache
+    assert any(n == 1 for n in calls) == (not prefill_only)
+    tv = (0.5 * mx.abs(mx.exp(got) - mx.exp(reference)).sum(axis=-1)).max().item()
+    assert tv < 0.01, tv
+    kept, _ = engine.prefix_cache.fetch(ids)
+    assert is_quantized(kept)
+
+
+def test_quantized_attention_that_cannot_run_at_all_is_refused_at_load(small_path, monkeypatch):
+    """If the fallback fails too, the load says so (a ValueError naming kv_bits) and mlx-lm's
+    attention is left in place."""
+    from mlx_lm.models import base
+    from mlxrt.worker import kvcache
+
+    missing_kernels(monkeypatch, prefill_only=False)
+    broken = base.quantized_scaled_dot_product_attention
+
+    def no_fallback(*args, **kwargs):
+        raise RuntimeError("[dequantize] No implementation")
+
+    monkeypatch.setattr(kvcache, "dequantized_attention", no_fallback)
+    with pytest.raises(ValueError, match="invalid kv_bits=8.*cannot attend"):
+        Engine(small_path, options=EngineOptions(kv_bits=8))
+    assert base.quantized_scaled_dot_product_attention is broken

@@ -13,6 +13,17 @@ model's dtype. Rule and trade-off: docs/engine.md.
 layers only, leaving a sliding-window `RotatingKVCache` (Gemma 3, gpt-oss)
 as it is, where mlx-lm would raise (``RotatingKVCache Quantization NYI``).
 
+Attention over a quantized cache is mlx-lm's (`quantized_scaled_dot_product_attention`:
+two `mx.quantized_matmul`s). MLX's CUDA build lacks kernels for some of its
+shapes: a prefill chunk on a quantized cache stops with "[quantized_matmul] No
+implementation for problem shape" (seen on an H100, mlx 0.32.4, 2,047 queries
+over 8,191 keys). `check_quantizable` tries the shapes a request meets, and
+where one fails it puts `dequantized_attention` in mlx-lm's place for those
+shapes: the cache is dequantized for the call and MLX's fused attention reads
+it. The cache stays quantized in memory; each call adds one layer's
+full-precision keys and values for its duration. Written by hand: mlx-lm has
+no fallback, and the alternative is refusing `kv_bits` on CUDA.
+
 A bounded cache (``max_kv_size``) is the batch's window: mlx-lm's
 `BatchRotatingKVCache` keeps the last ``max_kv_size`` tokens, while
 `make_prompt_cache` (as `mlx_lm.generate` uses it) also keeps the first 4
@@ -25,7 +36,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import structlog
+from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+log = structlog.get_logger("mlxrt.worker")
+
+#: mlx-lm's attention over a quantized cache, as it was imported: what the fallback stands in for.
+MLX_LM_ATTENTION = base.quantized_scaled_dot_product_attention
+#: (query tokens, cached tokens) tried by `check_quantizable` where kernels may be missing: decode
+#: steps, a short prefill chunk and a full one (2,048 tokens less one, over four chunks' keys).
+PROBE_SHAPES = ((1, 1), (1, 8191), (37, 101), (2047, 8191))
 
 
 @dataclass(frozen=True)
@@ -83,17 +104,98 @@ def _dequantized(c: QuantizedKVCache) -> KVCache:
     return out
 
 
-def check_quantizable(model, kv: KVQuant) -> None:
+def check_quantizable(model, kv: KVQuant, *, probe: bool | None = None) -> None:
     """`ValueError` unless `model`'s cache quantizes with `kv` and the model runs on it (the head size
-    must be a multiple of the group size): checked once at load with one token."""
+    must be a multiple of the group size): checked once at load with one token.
+
+    Where MLX may lack kernels for quantized attention (`probe`; default: MLX's CUDA build), the
+    shapes of `PROBE_SHAPES` are tried with this model's heads, and those that fail are given
+    `dequantized_attention` instead (`use_dequantized_attention`)."""
     cache = make_prompt_cache(model)
     try:
         model(mx.array([[0]]), cache=cache)
         quantize(cache, KVQuant(kv.bits, kv.group_size, 0))
-        mx.eval(model(mx.array([[0]]), cache=cache))
     except Exception as exc:
         raise ValueError(f"invalid kv_bits={kv.bits}, kv_group_size={kv.group_size}: this model's KV cache "
                          f"cannot be quantized so: {exc}") from None
     if not is_quantized(cache):
         raise ValueError(f"invalid kv_bits={kv.bits}: this model has no KVCache layer to quantize "
                          f"(its caches: {sorted({type(c).__name__ for c in cache})})")
+    if probe if probe is not None else may_lack_kernels():
+        _fall_back_where_missing(model, cache, kv)
+    try:
+        mx.eval(model(mx.array([[0]]), cache=cache))
+    except Exception as exc:
+        raise ValueError(f"invalid kv_bits={kv.bits}, kv_group_size={kv.group_size}: this model cannot "
+                         f"attend over a cache quantized so: {exc}") from None
+
+
+def may_lack_kernels() -> bool:
+    """Whether MLX's quantized attention may miss kernels here: its CUDA build (CPU and Metal have all)."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available()
+
+
+def dequantized_attention(queries: mx.array, q_keys: tuple, q_values: tuple, scale: float, mask,
+                          group_size: int = 64, bits: int = 8) -> mx.array:
+    """mlx-lm's `quantized_scaled_dot_product_attention`, computed by dequantizing the keys and
+    values first and running MLX's fused attention on them (same arguments, same result up to
+    rounding)."""
+    keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits).astype(queries.dtype)
+    values = mx.dequantize(*q_values, group_size=group_size, bits=bits).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def use_dequantized_attention(*, decode: bool) -> None:
+    """Put `dequantized_attention` in mlx-lm's place for every model of this process: for prefill
+    chunks (more than one query token), and for decode steps too when `decode`."""
+    def attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+        fn = dequantized_attention if decode or queries.shape[-2] > 1 else MLX_LM_ATTENTION
+        return fn(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+
+    base.quantized_scaled_dot_product_attention = attention
+
+
+def use_mlx_lm_attention() -> None:
+    """Undo `use_dequantized_attention`."""
+    base.quantized_scaled_dot_product_attention = MLX_LM_ATTENTION
+
+
+def attention_failures(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, kv: KVQuant
+                       ) -> dict[tuple[int, int], str]:
+    """The shapes of `PROBE_SHAPES` where mlx-lm's current quantized attention fails, with MLX's error."""
+    failed = {}
+    for queries, keys in PROBE_SHAPES:
+        q = mx.zeros((1, heads, queries, head_dim), dtype)
+        k = mx.quantize(mx.zeros((1, kv_heads, keys, head_dim), dtype), group_size=kv.group_size,
+                        bits=kv.bits)
+        mask = "causal" if queries > 1 else None
+        try:
+            mx.eval(base.quantized_scaled_dot_product_attention(q, k, k, scale=1.0, mask=mask,
+                                                                 group_size=kv.group_size, bits=kv.bits))
+        except RuntimeError as exc:
+            failed[(queries, keys)] = str(exc)
+    return failed
+
+
+def _fall_back_where_missing(model, cache: list, kv: KVQuant) -> None:
+    """Probe quantized attention with `model`'s head counts (`cache` holds one quantized token) and
+    fall back to `dequantized_attention` for the kinds of step that fail; `ValueError` if it fails too."""
+    layer = next(c for c in cache if type(c) is QuantizedKVCache)
+    _, kv_heads, _, packed = layer.keys[0].shape
+    head_dim = packed * 32 // kv.bits
+    args = getattr(model, "args", None)
+    heads = int(getattr(args, "num_attention_heads", 0) or kv_heads)
+    dtype = layer.keys[1].dtype
+    failed = attention_failures(heads, kv_heads, head_dim, dtype, kv)
+    if not failed:
+        return
+    decode = any(q == 1 for q, _ in failed)
+    use_dequantized_attention(decode=decode)
+    still = attention_failures(heads, kv_heads, head_dim, dtype, kv)
+    if still:
+        use_mlx_lm_attention()
+        raise ValueError(f"invalid kv_bits={kv.bits}, kv_group_size={kv.group_size}: MLX cannot attend "
+                         f"over a cache quantized so on {mx.default_device()}: {next(iter(still.values()))}")
+    log.warning("kv_cache.dequantized_attention", steps="all" if decode else "prefill",
+                shapes=[f"{q}x{k}" for q, k in failed], error=next(iter(failed.values())))
