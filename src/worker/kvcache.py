@@ -15,9 +15,10 @@ as it is, where mlx-lm would raise (``RotatingKVCache Quantization NYI``).
 
 Attention over a quantized cache is mlx-lm's (`quantized_scaled_dot_product_attention`:
 two `mx.quantized_matmul`s). MLX's CUDA build lacks kernels for some of its
-shapes: a prefill chunk on a quantized cache stops with "[quantized_matmul] No
-implementation for problem shape" (seen on an H100, mlx 0.32.4, 2,047 queries
-over 8,191 keys). `check_quantizable` tries the shapes a request meets, and
+shapes: attention over a quantized cache stops with "[quantized_matmul] No
+implementation for problem shape" (seen on an H100, mlx 0.32.4, 8-bit, group 64,
+head size 128: a decode step, and a prefill chunk of 2,047 queries over 8,191
+keys). `check_quantizable` tries the shapes a request meets, and
 where one fails it puts `dequantized_attention` in mlx-lm's place for those
 shapes: the cache is dequantized for the call and MLX's fused attention reads
 it. The cache stays quantized in memory; each call adds one layer's
@@ -163,15 +164,20 @@ def use_mlx_lm_attention() -> None:
 
 def attention_failures(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, kv: KVQuant
                        ) -> dict[tuple[int, int], str]:
-    """The shapes of `PROBE_SHAPES` where mlx-lm's current quantized attention fails, with MLX's error."""
+    """The shapes of `PROBE_SHAPES` where mlx-lm's current quantized attention fails, with MLX's error.
+
+    Each is laid out as a model's attention call has it (MLX picks kernels by layout too): queries
+    transposed from (batch, tokens, heads, size), keys and values as a `QuantizedKVCache` returns
+    them (a slice of its step-rounded buffers)."""
     failed = {}
     for queries, keys in PROBE_SHAPES:
-        q = mx.zeros((1, heads, queries, head_dim), dtype)
-        k = mx.quantize(mx.zeros((1, kv_heads, keys, head_dim), dtype), group_size=kv.group_size,
-                        bits=kv.bits)
+        q = mx.zeros((1, queries, heads, head_dim), dtype).transpose(0, 2, 1, 3)
+        cache = QuantizedKVCache(group_size=kv.group_size, bits=kv.bits)
+        new = mx.zeros((1, kv_heads, keys, head_dim), dtype)
+        k, v = cache.update_and_fetch(new, new)
         mask = "causal" if queries > 1 else None
         try:
-            mx.eval(base.quantized_scaled_dot_product_attention(q, k, k, scale=1.0, mask=mask,
+            mx.eval(base.quantized_scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask,
                                                                  group_size=kv.group_size, bits=kv.bits))
         except RuntimeError as exc:
             failed[(queries, keys)] = str(exc)
