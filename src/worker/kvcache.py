@@ -179,7 +179,7 @@ def attention_failures(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype
         try:
             mx.eval(base.quantized_scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask,
                                                                  group_size=kv.group_size, bits=kv.bits))
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             failed[(queries, keys)] = str(exc)
     return failed
 
