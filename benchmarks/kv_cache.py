@@ -18,11 +18,9 @@ import argparse
 import json
 import statistics
 
-from mlx_lm.models import base
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
-from mlxrt.worker import kvcache
 from mlxrt.worker.engine import Engine, device_name, resolve_model_path
-from mlxrt.worker.kvcache import KVQuant, check_quantizable
+from mlxrt.worker.kvcache import KVQuant, check_quantizable, fallback_steps
 
 from .env import default_preset, describe
 from .speculative import _Box
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     kinds: list[int | None] = [None, *(a.bits or [8, 4])]
     for bits in kinds[1:]:  # as a worker's load does: where kernels are missing, the fallback goes in
         check_quantizable(engine.model, KVQuant(bits, a.group_size, 0))
-    fallback = base.quantized_scaled_dot_product_attention is not kvcache.MLX_LM_ATTENTION
+    fallback = fallback_steps()
     unit = engine.tokenizer.encode("The tide came in over the rocks while the gulls argued. ")
     rows: dict[str, dict[str, list[float]]] = {}
     for r in range(a.rounds + 1):
@@ -68,8 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine.kv = None
     print(f"{target} on {device_name()}, {a.rounds} rounds, {a.tokens} tokens decoded, group {a.group_size}; "
           "median [min-max]")
-    how = ("dequantized first (kvcache.dequantized_attention: MLX lacks mlx-lm's kernels)" if fallback
-           else "mlx-lm's quantized_matmul")
+    how = (f"dequantized first for {'every step' if fallback == 'all' else 'prefill chunks'} (MLX lacks"
+           " mlx-lm's kernels here)" if fallback else "mlx-lm's quantized_matmul")
     print(f"attention over a quantized cache: {how}")
     print(f"{'configuration':24} {'KV cache MB':>12} {'MLX peak MB':>12} {'decode tok/s':>24}")
     for name, row in rows.items():

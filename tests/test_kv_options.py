@@ -149,22 +149,32 @@ def test_worker_refuses_kv_options_the_model_cannot_take(tiny_model):
 
 
 def test_dequantized_attention_matches_mlx_lm_quantized_attention():
-    """The fallback computes mlx-lm's quantized attention: a decode step and a causal prefill chunk,
-    grouped-query heads, the same output up to rounding."""
-    from mlx_lm.models import base
-    from mlxrt.worker.kvcache import dequantized_attention
+    """The fallback computes mlx-lm's quantized attention (as mlx-lm has it, whatever this process
+    put in its place): a decode step, causal, boolean and additive masks over a prefill chunk,
+    grouped-query heads; float32 to rounding, and bfloat16 kept bfloat16."""
+    from mlxrt.worker.kvcache import MLX_LM_ATTENTION, dequantized_attention
 
     mx.random.seed(0)
-    for queries, keys in ((1, 40), (7, 29)):
+    allowed = mx.random.uniform(shape=(7, 29)) > 0.3
+    allowed[:, 0] = True
+    masks = {"none": (1, None), "causal": (7, "causal"), "bool": (7, allowed),
+             "additive": (7, mx.where(allowed, 0.0, -1e4))}
+    for name, (queries, mask) in masks.items():
+        keys = 40 if queries == 1 else 29
         q = mx.random.normal((1, 4, queries, 64))
         k, v = (mx.quantize(mx.random.normal((1, 2, keys, 64)), group_size=64, bits=8) for _ in range(2))
-        mask = "causal" if queries > 1 else None
         got = dequantized_attention(q, k, v, scale=0.125, mask=mask, group_size=64, bits=8)
         # (mlx-lm's scales the queries in place: it runs second)
-        want = base.quantized_scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask, group_size=64,
-                                                           bits=8)
-        assert got.shape == want.shape
-        assert mx.abs(got - want).max().item() < 1e-4
+        want = MLX_LM_ATTENTION(q, k, v, scale=0.125, mask=mask, group_size=64, bits=8)
+        assert got.shape == want.shape, name
+        assert mx.abs(got - want).max().item() < 1e-4, name
+    q = mx.random.normal((1, 4, 7, 64)).astype(mx.bfloat16)
+    k, v = (mx.quantize(mx.random.normal((1, 2, 29, 64)).astype(mx.bfloat16), group_size=64, bits=4)
+            for _ in range(2))
+    got = dequantized_attention(q, k, v, scale=0.125, mask="causal", group_size=64, bits=4)
+    want = MLX_LM_ATTENTION(q, k, v, scale=0.125, mask="causal", group_size=64, bits=4)
+    assert got.dtype == want.dtype == mx.bfloat16
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 0.1
 
 
 def missing_kernels(monkeypatch, *, prefill_only: bool) -> None:
@@ -213,6 +223,7 @@ def test_missing_attention_kernels_fall_back_to_dequantized_attention(small_path
     got = forced_logprobs(engine, ids)
     assert any(n > 1 for n in calls)  # the prefill's later chunks attend over a quantized cache
     assert any(n == 1 for n in calls) == (not prefill_only)
+    assert kvcache.fallback_steps() == ("prefill" if prefill_only else "all")
     tv = (0.5 * mx.abs(mx.exp(got) - mx.exp(reference)).sum(axis=-1)).max().item()
     assert tv < 0.01, tv
     kept, _ = engine.prefix_cache.fetch(ids)
@@ -220,13 +231,15 @@ def test_missing_attention_kernels_fall_back_to_dequantized_attention(small_path
 
 
 def test_quantized_attention_that_cannot_run_at_all_is_refused_at_load(small_path, monkeypatch):
-    """If the fallback fails too, the load says so (a ValueError naming kv_bits) and mlx-lm's
-    attention is left in place."""
+    """If the fallback fails too, the load says so (a ValueError naming kv_bits), and the attention
+    in place before it (here an earlier model's fallback, for prefill) is left as it was."""
     from mlx_lm.models import base
     from mlxrt.worker import kvcache
 
-    missing_kernels(monkeypatch, prefill_only=False)
-    broken = base.quantized_scaled_dot_product_attention
+    missing_kernels(monkeypatch, prefill_only=True)
+    kvcache.use_dequantized_attention(decode=False)  # an earlier model's load put it in
+    earlier = base.quantized_scaled_dot_product_attention
+    assert kvcache.fallback_steps() == "prefill"
 
     def no_fallback(*args, **kwargs):
         raise RuntimeError("[dequantize] No implementation")
@@ -234,4 +247,4 @@ def test_quantized_attention_that_cannot_run_at_all_is_refused_at_load(small_pat
     monkeypatch.setattr(kvcache, "dequantized_attention", no_fallback)
     with pytest.raises(ValueError, match="invalid kv_bits=8.*cannot attend"):
         Engine(small_path, options=EngineOptions(kv_bits=8))
-    assert base.quantized_scaled_dot_product_attention is broken
+    assert base.quantized_scaled_dot_product_attention is earlier

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 import structlog
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
@@ -105,11 +106,11 @@ def _dequantized(c: QuantizedKVCache) -> KVCache:
     return out
 
 
-def check_quantizable(model, kv: KVQuant, *, probe: bool | None = None) -> None:
+def check_quantizable(model: nn.Module, kv: KVQuant) -> None:
     """`ValueError` unless `model`'s cache quantizes with `kv` and the model runs on it (the head size
     must be a multiple of the group size): checked once at load with one token.
 
-    Where MLX may lack kernels for quantized attention (`probe`; default: MLX's CUDA build), the
+    Where MLX may lack kernels for quantized attention (`may_lack_kernels`: its CUDA build), the
     shapes of `PROBE_SHAPES` are tried with this model's heads, and those that fail are given
     `dequantized_attention` instead (`use_dequantized_attention`)."""
     cache = make_prompt_cache(model)
@@ -122,7 +123,7 @@ def check_quantizable(model, kv: KVQuant, *, probe: bool | None = None) -> None:
     if not is_quantized(cache):
         raise ValueError(f"invalid kv_bits={kv.bits}: this model has no KVCache layer to quantize "
                          f"(its caches: {sorted({type(c).__name__ for c in cache})})")
-    if probe if probe is not None else may_lack_kernels():
+    if may_lack_kernels():
         _fall_back_where_missing(model, cache, kv)
     try:
         mx.eval(model(mx.array([[0]]), cache=cache))
@@ -137,8 +138,8 @@ def may_lack_kernels() -> bool:
     return cuda is not None and cuda.is_available()
 
 
-def dequantized_attention(queries: mx.array, q_keys: tuple, q_values: tuple, scale: float, mask,
-                          group_size: int = 64, bits: int = 8) -> mx.array:
+def dequantized_attention(queries: mx.array, q_keys: tuple, q_values: tuple, scale: float,
+                          mask: mx.array | str | None, group_size: int = 64, bits: int = 8) -> mx.array:
     """mlx-lm's `quantized_scaled_dot_product_attention`, computed by dequantizing the keys and
     values first and running MLX's fused attention on them (same arguments, same result up to
     rounding)."""
@@ -150,31 +151,29 @@ def dequantized_attention(queries: mx.array, q_keys: tuple, q_values: tuple, sca
 def use_dequantized_attention(*, decode: bool) -> None:
     """Put `dequantized_attention` in mlx-lm's place for every model of this process: for prefill
     chunks (more than one query token), and for decode steps too when `decode`."""
-    def attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+    def attention(queries: mx.array, q_keys: tuple, q_values: tuple, scale: float,
+                  mask: mx.array | str | None, group_size: int = 64, bits: int = 8) -> mx.array:
         fn = dequantized_attention if decode or queries.shape[-2] > 1 else MLX_LM_ATTENTION
         return fn(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
+    attention.steps = "all" if decode else "prefill"  # (fallback_steps)
     base.quantized_scaled_dot_product_attention = attention
 
 
-def use_mlx_lm_attention() -> None:
-    """Undo `use_dequantized_attention`."""
-    base.quantized_scaled_dot_product_attention = MLX_LM_ATTENTION
-
-
-def attention_failures(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, kv: KVQuant
+def attention_failures(heads: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype, kv: KVQuant
                        ) -> dict[tuple[int, int], str]:
     """The shapes of `PROBE_SHAPES` where mlx-lm's current quantized attention fails, with MLX's error.
 
-    Each is laid out as a model's attention call has it (MLX picks kernels by layout too): queries
-    transposed from (batch, tokens, heads, size), keys and values as a `QuantizedKVCache` returns
-    them (a slice of its step-rounded buffers)."""
+    Each is laid out as a model's attention call has it: queries transposed from (batch, tokens,
+    heads, size), keys and values as a `QuantizedKVCache` returns them, slices of its buffers
+    rounded up to 256 tokens. MLX picks its kernels by layout (contiguous or not), not by size
+    alone, so the probe has the layout of the calls it stands for."""
     failed = {}
     for queries, keys in PROBE_SHAPES:
-        q = mx.zeros((1, queries, heads, head_dim), dtype).transpose(0, 2, 1, 3)
+        q = mx.zeros((1, queries, heads, k_dim), dtype).transpose(0, 2, 1, 3)
         cache = QuantizedKVCache(group_size=kv.group_size, bits=kv.bits)
-        new = mx.zeros((1, kv_heads, keys, head_dim), dtype)
-        k, v = cache.update_and_fetch(new, new)
+        k, v = cache.update_and_fetch(mx.zeros((1, kv_heads, keys, k_dim), dtype),
+                                      mx.zeros((1, kv_heads, keys, v_dim), dtype))
         mask = "causal" if queries > 1 else None
         try:
             mx.eval(base.quantized_scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask,
@@ -184,24 +183,38 @@ def attention_failures(heads: int, kv_heads: int, head_dim: int, dtype: mx.Dtype
     return failed
 
 
-def _fall_back_where_missing(model, cache: list, kv: KVQuant) -> None:
-    """Probe quantized attention with `model`'s head counts (`cache` holds one quantized token) and
-    fall back to `dequantized_attention` for the kinds of step that fail; `ValueError` if it fails too."""
-    layer = next(c for c in cache if type(c) is QuantizedKVCache)
-    _, kv_heads, _, packed = layer.keys[0].shape
-    head_dim = packed * 32 // kv.bits
-    args = getattr(model, "args", None)
-    heads = int(getattr(args, "num_attention_heads", 0) or kv_heads)
-    dtype = layer.keys[1].dtype
-    failed = attention_failures(heads, kv_heads, head_dim, dtype, kv)
+def _fall_back_where_missing(model: nn.Module, cache: list, kv: KVQuant) -> None:
+    """Probe quantized attention for each kind of quantized layer of `cache` (its KV heads, key and
+    value sizes, dtype; it holds one token) with `model`'s query heads, and fall back to
+    `dequantized_attention` for the kinds of step that fail; `ValueError` if it fails too, with the
+    attention that was in place before put back."""
+    heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 0)
+    per_word = 32 // kv.bits
+    kinds = set()
+    for c in cache:
+        if type(c) is QuantizedKVCache:
+            _, kv_heads, _, k_packed = c.keys[0].shape
+            kinds.add((heads or kv_heads, kv_heads, k_packed * per_word, c.values[0].shape[-1] * per_word,
+                       c.keys[1].dtype))
+
+    def failures() -> dict[tuple[int, int], str]:
+        return {shape: error for kind in sorted(kinds, key=str)
+                for shape, error in attention_failures(*kind, kv).items()}
+
+    failed = failures()
     if not failed:
         return
-    decode = any(q == 1 for q, _ in failed)
-    use_dequantized_attention(decode=decode)
-    still = attention_failures(heads, kv_heads, head_dim, dtype, kv)
+    before = base.quantized_scaled_dot_product_attention
+    use_dequantized_attention(decode=any(q == 1 for q, _ in failed))
+    still = failures()
     if still:
-        use_mlx_lm_attention()
+        base.quantized_scaled_dot_product_attention = before
         raise ValueError(f"invalid kv_bits={kv.bits}, kv_group_size={kv.group_size}: MLX cannot attend "
                          f"over a cache quantized so on {mx.default_device()}: {next(iter(still.values()))}")
-    log.warning("kv_cache.dequantized_attention", steps="all" if decode else "prefill",
-                shapes=[f"{q}x{k}" for q, k in failed], error=next(iter(failed.values())))
+    log.warning("kv_cache.dequantized_attention", steps=fallback_steps(),
+                shapes=sorted(f"{q}x{k}" for q, k in failed), error=next(iter(failed.values())))
+
+
+def fallback_steps() -> str | None:
+    """Which steps attend over the dequantized cache in this process: "all", "prefill", or None."""
+    return getattr(base.quantized_scaled_dot_product_attention, "steps", None)
