@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    " shapes take 64 GB together)")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                    help=f"limit of one family's run, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: join the --out documents of earlier runs (a family each, say, where a"
+                   " machine is lent a few minutes at a time) into one, with its table; sizes must agree")
     return p.parse_args(argv)
 
 
@@ -367,8 +370,53 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One document from several runs' (``--out``): rows, notes and runs in order; sizes must agree."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    first = docs[0]["config"]
+    for d in docs[1:]:
+        for k in ("sizes", "peers", "parts", "profile", "quick"):
+            if d["config"].get(k) != first.get(k):
+                raise ValueError(f"the runs differ in {k}: {first.get(k)!r} and {d['config'].get(k)!r}")
+    presets = [p for d in docs for p in d["config"]["presets"]]
+    if len(set(presets)) < len(presets):
+        raise ValueError(f"a preset is in more than one run: {presets}")
+    rows = [r for d in docs for r in d["rows"]]
+    return {
+        "benchmark": "mlxrt-families",
+        "config": {**first, "presets": presets},
+        "rows": rows,
+        "notes": notes(rows),
+        "env": docs[0]["env"],
+        "envs": [d["env"] for d in docs],  # one per run: commits and versions are there to compare
+        "elapsed_s": sum(d["elapsed_s"] for d in docs),
+        "runs": {k: v for d in docs for k, v in d.get("runs", {}).items()},
+    }
+
+
+def _write(doc: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(finite(doc), allow_nan=False) + "\n", encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        try:
+            doc = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"families --merge: {exc}", file=sys.stderr)
+            return 2
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = Path(args.out) if args.out else Path("bench-results") / f"families-{stamp}.json"
+        _write(doc, out)
+        print(table(doc["rows"]))
+        print()
+        for line in doc["notes"]:
+            print(f"- {line}")
+        print(f"\nwritten: {out}")
+        return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
     profile, sizes = sizes_of(args)
     default = TINY if profile == "cpu" else REAL
     presets = [p.strip() for p in (args.presets or ",".join(default)).split(",") if p.strip()]
@@ -398,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path("bench-results") / f"families-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(finite({**doc, "runs": runs}), allow_nan=False) + "\n", encoding="utf-8")
+    _write({**doc, "runs": runs}, out)
     print(f"families: {', '.join(presets)} ({profile} sizes{', quick' if args.quick else ''}): "
           + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
     print()
