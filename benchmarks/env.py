@@ -16,7 +16,10 @@ def _version(dist: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, with ``-dirty`` when the tree has uncommitted changes."""
+    """``MLXRT_COMMIT`` where set (a tree copied to a GPU host can carry a stale ``.git``), else the
+    checkout's commit, with ``-dirty`` when the tree has uncommitted changes."""
+    if os.environ.get("MLXRT_COMMIT"):
+        return os.environ["MLXRT_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         sha = subprocess.run(

@@ -370,6 +370,15 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def missing_clients() -> str | None:
+    """Why the agent part, which every row needs, could not run here; None when it can."""
+    try:
+        import openai  # noqa: F401
+    except ImportError as exc:
+        return f"the agent part needs the openai client ({exc}): pip install openai"
+    return None
+
+
 def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One document from several runs' (``--out``): rows, notes and runs in order; sizes must agree."""
     if not docs:
@@ -417,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"- {line}")
         print(f"\nwritten: {out}")
         return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
+    missing = missing_clients()
+    if missing:  # found before a long run, not after it (an H200 run once lost its agent part so)
+        print(f"families: {missing}", file=sys.stderr)
+        return 2
     profile, sizes = sizes_of(args)
     default = TINY if profile == "cpu" else REAL
     presets = [p.strip() for p in (args.presets or ",".join(default)).split(",") if p.strip()]

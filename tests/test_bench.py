@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import agents, measure, records  # noqa: E402
+from benchmarks import agents, families, measure, records  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
 from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
@@ -566,3 +566,42 @@ def test_a_connection_reset_before_the_response_is_retried():
                 with pytest.raises(OSError):
                     list(stream)
             assert http_scenario.connect_retries.value - before == (resets if answer else attempts - 1)
+
+
+def _family_doc(preset: str, sizes: dict, status: str = "ok") -> dict:
+    row = {"preset": preset, "model": f"synthetic:{preset}", "model_type": "llama", "status": status,
+           "exit": 0 if status == "ok" else 1, "elapsed_s": 1.0, "listen_overflows": 0}
+    return {"config": {"presets": [preset], "profile": "gpu", "quick": False, "sizes": sizes,
+                       "peers": "mlx_lm.server", "parts": families.PARTS},
+            "rows": [row], "notes": [], "env": {"commit": preset}, "elapsed_s": 2.0,
+            "runs": {preset: {"k": 1}}}
+
+
+def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path):
+    """Per-family runs join into one document; runs of other sizes or a family twice are refused."""
+    sizes = {"rounds": 3}
+    docs = [_family_doc("a", sizes), _family_doc("b", sizes, status="token-mismatch")]
+    paths = []
+    for d in docs:
+        paths.append(tmp_path / f"{d['config']['presets'][0]}.json")
+        paths[-1].write_text(json.dumps(d))
+    out = tmp_path / "all.json"
+    rc = families.main(["--merge", *map(str, paths), "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 1  # one family failed, as a single run would say
+    assert doc["config"]["presets"] == ["a", "b"] and [r["preset"] for r in doc["rows"]] == ["a", "b"]
+    assert doc["runs"] == {"a": {"k": 1}, "b": {"k": 1}} and doc["elapsed_s"] == 4.0
+    assert [e["commit"] for e in doc["envs"]] == ["a", "b"]
+    assert doc["notes"] == ["b: the harness exited 1 (token-mismatch)"]
+    with pytest.raises(ValueError, match="sizes"):
+        families.merge([_family_doc("a", sizes), _family_doc("c", {"rounds": 5})])
+    with pytest.raises(ValueError, match="more than one run"):
+        families.merge([_family_doc("a", sizes), _family_doc("a", sizes)])
+    assert families.main(["--merge", str(paths[0]), str(tmp_path / "absent.json")]) == 2
+
+
+def test_families_refuses_to_start_without_the_agent_client(monkeypatch, capsys):
+    """A families run needs every part: a missing openai client stops it before the first family."""
+    monkeypatch.setitem(sys.modules, "openai", None)  # import openai raises ImportError
+    assert families.main(["--presets", "tiny", "--quick"]) == 2
+    assert "openai" in capsys.readouterr().err
