@@ -32,7 +32,7 @@ from typing import Any
 from . import agents, components, records, report
 from .concurrency import run_level
 from .env import backend, default_preset, describe, git_commit
-from .gate import Gate, first_divergence
+from .gate import BatchGate, Gate, first_divergence
 from .http_scenario import connect_retries
 from .measure import Run, agreement, diff_spread, finite, peak_rss_bytes, ratio_spread, spread, text_agreement
 from .peers import PEERS, LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
@@ -259,6 +259,7 @@ class Suite:
         self.refs: list[list[int]] = []  # native's tokens, per round
         self.ref: list[int] | None = None  # round 0's
         self.token_gate: Gate | None = None  # decided after the rounds: identity or teacher forcing
+        self.batch_gate: Gate | None = None  # for batched streams, where batching parts ways with native
         self.concurrency_runs: dict[str, dict[int, list[Run]]] = {}  # token-checked targets only
         self.conc_prompts: dict[int, list[list[int]]] = {}  # streams -> one prompt per stream
         self.conc_refs: dict[int, list[list[int]]] = {}  # reference tokens for those prompts, per stream
@@ -509,19 +510,30 @@ class Suite:
         batched = [n for n, b in self.conc_ref_basis.items() if b == NATIVE_BATCH]
         if batched:
             self.say(f"native-batch against native: first and last stream at {', '.join(map(str, batched))}")
-        for n in batched:
-            picks = sorted({0, n - 1})
-            self.batch_checks[n] = [
-                {
-                    "stream": i,
-                    **self.check_tokens(
-                        self.conc_prompts[n][i],
-                        self.conc_refs[n][i],
-                        native.run(self.conc_prompts[n][i], self.args.gen_tokens).tokens,
-                    ),
-                }
-                for i in picks
-            ]
+        alone = {
+            (n, i): native.run(self.conc_prompts[n][i], self.args.gen_tokens).tokens
+            for n in batched
+            for i in sorted({0, n - 1})
+        }
+
+        def check_batches() -> None:
+            self.batch_checks = {n: [] for n in batched}
+            for (n, i), ref in alone.items():
+                got = self.check_tokens(self.conc_prompts[n][i], self.conc_refs[n][i], ref, batched=True)
+                self.batch_checks[n].append({"stream": i, **got})
+
+        check_batches()
+        exact = self.token_gate is None or self.token_gate.deterministic
+        parted = [c["first_divergence"] for cs in self.batch_checks.values() for c in cs if not c["ok"]]
+        if exact and parted and hasattr(native, "model"):
+            self.batch_gate = BatchGate(
+                native.model, [(self.conc_prompts[n][i], self.conc_refs[n][i]) for n, i in alone], min(parted)
+            )
+            self.say(
+                f"native-batch parted from native at token {min(parted)}: checking batched streams by teacher"
+                f" forcing (tolerance {self.batch_gate.tolerance:.3f} logits)"
+            )
+            check_batches()
 
     # -- agents --
     def agent(self) -> dict[str, Any]:
@@ -640,12 +652,16 @@ class Suite:
             }
         return agreement(ref, run.tokens)
 
-    def check_tokens(self, prompt: list[int], tokens: list[int], ref: list[int]) -> dict[str, Any]:
-        """One run's tokens against native's for the same prompt (see benchmarks/gate.py)."""
-        if self.token_gate is None:
+    def check_tokens(
+        self, prompt: list[int], tokens: list[int], ref: list[int], *, batched: bool = False
+    ) -> dict[str, Any]:
+        """One run's tokens against native's for the same prompt (see benchmarks/gate.py); `batched`:
+        a stream decoded in a batch, checked by `batch_gate` where batching parted ways with native."""
+        gate = (self.batch_gate if batched else None) or self.token_gate
+        if gate is None:
             div = first_divergence(ref, tokens)
             return {"ok": div is None, "first_divergence": div}
-        return self.token_gate.check(prompt, tokens, ref)
+        return gate.check(prompt, tokens, ref)
 
     def gate(self, scen: dict[str, Any]) -> dict[str, Any]:
         if self.ref is None:
@@ -657,7 +673,7 @@ class Suite:
                 continue
             checked.append(f"{name} under concurrency")
             if not all(
-                self.check_tokens(prompt, r.tokens, ref)["ok"]
+                self.check_tokens(prompt, r.tokens, ref, batched=n > 1)["ok"]
                 for n, rs in levels.items()
                 for prompt, r, ref in zip(self.conc_prompts[n], rs, self.conc_refs[n], strict=True)
             ):
@@ -667,6 +683,8 @@ class Suite:
             if not all(c["ok"] for cs in self.batch_checks.values() for c in cs):
                 bad.append(f"{NATIVE_BATCH} under concurrency")
         mode = self.token_gate.describe() if self.token_gate else {"mode": "identical ids"}
+        if self.batch_gate is not None:
+            mode["batched"] = self.batch_gate.describe()
         return {"passed": not bad, "checked": checked, "mismatched": bad, **mode}
 
     def document(self, conc: dict[str, Any], comp: dict[str, Any], agent: dict[str, Any]) -> dict[str, Any]:

@@ -277,7 +277,8 @@ def summarize(preset: str, model: str, run: dict[str, Any]) -> dict[str, Any]:
         return row
     gate = doc.get("gate") or {}
     row.update(
-        gate={"passed": gate.get("passed"), "mismatched": gate.get("mismatched"), "mode": gate.get("mode")},
+        gate={"passed": gate.get("passed"), "mismatched": gate.get("mismatched"), "mode": gate.get("mode"),
+              "batched": gate.get("batched")},
         single=single_stream(doc),
         streams=streams(doc),
         agents=agents_row(doc),
@@ -327,6 +328,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         s, c, a = r["single"], r["streams"], r["agents"]
         ids = {True: "yes", False: "**no**", None: "-"}[r["gate"]["passed"]]
+        if r["gate"].get("batched") and r["gate"]["passed"]:
+            ids = "greedy-valid (batches teacher-forced)"
         http_c, peer_c = c.get(HTTP) or {}, c.get(PEER) or {}
         http_a, peer_a = a.get(HTTP) or {}, a.get(PEER) or {}
         lines.append(

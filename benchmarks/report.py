@@ -294,20 +294,20 @@ def agent_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def print_report(doc: dict, out: Any = None) -> None:
-    out = out or sys.stdout
-    parts = [header(doc)]
-    if doc.get("scenarios") or doc.get("config", {}).get("scenarios"):
-        parts.append(e2e_table(doc))
-    if doc.get("config", {}).get("components") or component_rows(doc.get("components", {})):
-        parts.append(components_table(doc))
-    parts += [concurrency_table(doc), agent_table(doc)]
+def gate_line(doc: dict) -> str:
+    """The report's verdict of the quality gate, with how the tokens were checked."""
     gate = doc.get("gate", {})
     how = ""
     if gate.get("tolerance_logits") is not None:
         how = (
             f" [native diverged from itself at token {gate.get('native_self_divergence')}: every token"
             f" checked by teacher forcing, within {gate['tolerance_logits']:.3f} logits of the greedy choice]"
+        )
+    if gate.get("batched"):
+        b = gate["batched"]
+        how += (
+            f" [{NATIVE_BATCH} parted from native at token {b.get('batch_divergence')}: batched streams"
+            f" checked by teacher forcing, within {b['tolerance_logits']:.3f} logits of the greedy choice]"
         )
     batch = NATIVE_BATCH in (doc.get("concurrency", {}).get("reference") or {}).values()
     ref = (
@@ -318,13 +318,23 @@ def print_report(doc: dict, out: Any = None) -> None:
     )
     if gate.get("mismatched"):
         bad = ", ".join(gate["mismatched"])
-        parts.append("QUALITY GATE FAILED: tokens differ from native in " + bad + ref + how)
-    elif gate.get("checked") and how:
-        parts.append("quality gate: greedy-valid tokens in " + ", ".join(gate["checked"]) + how)
-    elif gate.get("checked"):
-        parts.append("quality gate: token ids identical to native in " + ", ".join(gate["checked"]) + ref)
-    else:
-        parts.append("quality gate: not checked (" + gate.get("why", "no baseline") + ")")
+        return "QUALITY GATE FAILED: tokens differ from native in " + bad + ref + how
+    if gate.get("checked") and how:
+        return "quality gate: greedy-valid tokens in " + ", ".join(gate["checked"]) + how
+    if gate.get("checked"):
+        return "quality gate: token ids identical to native in " + ", ".join(gate["checked"]) + ref
+    return "quality gate: not checked (" + gate.get("why", "no baseline") + ")"
+
+
+def print_report(doc: dict, out: Any = None) -> None:
+    out = out or sys.stdout
+    parts = [header(doc)]
+    if doc.get("scenarios") or doc.get("config", {}).get("scenarios"):
+        parts.append(e2e_table(doc))
+    if doc.get("config", {}).get("components") or component_rows(doc.get("components", {})):
+        parts.append(components_table(doc))
+    parts += [concurrency_table(doc), agent_table(doc)]
+    parts.append(gate_line(doc))
     outputs = doc.get("outputs", {})
     if outputs:
         parts.append("written: " + ", ".join(f"{k} {v}" for k, v in outputs.items() if v))

@@ -69,3 +69,58 @@ def test_teacher_forced_gate_passes_greedy_and_fails_crossed_streams(native):
     assert not gate.check(a, ref_b, ref_a)["ok"]  # crossed: b's tokens on a's request
     assert not gate.check(a, [ref_a[0]] + ref_a[:-1], ref_a)["ok"]  # shifted by one
     assert not gate.check(a, ref_a[:-3], ref_a)["ok"]  # short
+
+
+class _PartedNative:
+    """A deterministic native whose single-stream ids part from the greedy ones at token 3, as
+    gpt-oss's did from its batched ones on an H200: batching and the single stream disagree."""
+
+    def __init__(self, native: FlakyNative) -> None:
+        self.model, self._native = native.model, native
+
+    def run(self, prompt: list[int], n: int):
+        tokens = self._native.greedy(prompt, n)
+        tokens[3] = (tokens[3] + 1) % 2000
+        return _run(tokens)
+
+
+def _run(tokens):
+    from benchmarks import measure
+
+    return measure.Run(tokens=tokens, prompt_tokens=1, ttft_ms=1.0, decode_tps=1.0, total_s=1.0)
+
+
+def test_batched_streams_are_teacher_forced_where_native_batch_parts_from_native(native):
+    """Where native-batch's ids differ from native's alone, batched streams are checked by teacher
+    forcing: greedy-valid ones pass, crossed ones (mlxrt's or native-batch's own) still fail."""
+    from benchmarks import __main__ as bench
+    from benchmarks import report
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 2000) for _ in range(30)] for _ in range(2)]
+    greedy = [native.greedy(p, 12) for p in prompts]
+    args = bench.parse_args(["--model", "synthetic:tiny", "--gen-tokens", "12"])
+
+    def gate_with(batch_tokens, mlxrt_tokens):
+        said = []
+        suite = bench.Suite(args, bench.make_plan(args), said.append)
+        suite.ref = greedy[0]
+        suite.live["native"] = _PartedNative(native)
+        suite.conc_prompts = {2: prompts}
+        suite.conc_refs = {2: batch_tokens}
+        suite.conc_ref_basis = {2: bench.NATIVE_BATCH}
+        suite.concurrency_runs = {"mlxrt-http": {2: [_run(t) for t in mlxrt_tokens]}}
+        suite.concurrency_references()
+        return suite.gate({"native": {"token_checked": True}}), said
+
+    good, said = gate_with(greedy, greedy)
+    assert good["passed"] is True, good
+    assert good["mode"].startswith("identical ids") and good["batched"]["batch_divergence"] == 3
+    assert good["batched"]["tolerance_logits"] == MIN_TOLERANCE  # greedy tokens: rounding noise only
+    assert any("parted from native at token 3" in s for s in said)
+    line = report.gate_line({"gate": good, "concurrency": {"reference": {"2": bench.NATIVE_BATCH}}})
+    assert line.startswith("quality gate: greedy-valid tokens") and "parted from native at token 3" in line
+    crossed = gate_with(greedy, greedy[::-1])[0]
+    assert crossed["passed"] is False and crossed["mismatched"] == ["mlxrt-http under concurrency"]
+    batch_crossed = gate_with(greedy[::-1], greedy[::-1])[0]  # teacher forcing reads each stream's own prompt
+    assert batch_crossed["mismatched"] == ["mlxrt-http under concurrency", "native-batch under concurrency"]
