@@ -300,3 +300,39 @@ def test_a_draft_that_pays_is_kept(tiny_model, plain, prompt_words):
     assert policy.rates[True].seconds_per_token < policy.rates[False].seconds_per_token
     # Plain tried once (again only if a window was slowed by the machine); the rest drafted, all accepted.
     assert policy.windows[False] >= 1 and st.draft_accepted == st.draft_tokens >= len(ids) // 2
+
+
+#: Families whose caches rewind (mlx-lm's KVCache) draft; the others refuse a draft at load.
+REWINDING = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
+NOT_REWINDING = {"tiny-gemma3": "RotatingKVCache", "tiny-gpt-oss": "RotatingKVCache",
+                 "tiny-qwen3.5": "ArraysCache"}
+
+
+@pytest.mark.parametrize("family", REWINDING)
+def test_each_rewinding_family_drafts_with_its_own_ids(family):
+    """Each family with rewindable caches drafts with a perturbed copy of itself and keeps the
+    greedy ids it gets without a draft, chats included (their templates, their thinking)."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    path = str(ensure_model(family))
+    plain = Engine(path, options=EngineOptions(prompt_cache_bytes=0))
+    drafted = Engine(path, options=EngineOptions(draft_model=f"synthetic:{family}?noise=0.05",
+                                                 draft_policy="always", prompt_cache_bytes=0))
+    reqs = [gen(1, "Once upon a time, in a small village by the sea,", max_tokens=24),
+            gen(2, messages=chat("What is the weather like?"), max_tokens=24)]
+    proposed = 0
+    for req in reqs:
+        ids, st = run_alone(drafted, req)
+        assert ids == run_alone(plain, req)[0], (family, req.id)
+        proposed += st.draft_tokens
+    assert proposed > 0
+
+
+@pytest.mark.parametrize("family", sorted(NOT_REWINDING))
+def test_families_whose_caches_cannot_rewind_refuse_a_draft_at_load(family):
+    """Sliding-window and recurrent caches cannot be rewound past rejected draft tokens: a draft is
+    refused when the model loads, naming the cache kind, rather than serving wrong state."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    with pytest.raises(ValueError, match=f"rewinds the cache, which the target's .*{NOT_REWINDING[family]}"):
+        Engine(str(ensure_model(family)), options=EngineOptions(draft_model=f"synthetic:{family}"))
