@@ -15,10 +15,11 @@ native's reference run, between `MIN_TOLERANCE` and `MAX_TOLERANCE` logits.
 Batching can part ways with native where native alone is deterministic: on an
 H200 (mlx 0.32.4) gpt-oss-20b's native-batch streams (mlx-lm's
 BatchGenerator, 16 at once) differed from native's single stream at their
-first or second token, while four dense families' were identical. A batch's
-arithmetic is not the single stream's there, so `BatchGate` checks the
-streams decoded in a batch by teacher forcing too, its tolerance set from
-native-batch's own streams.
+first or second token, while three dense families' matched. Where a batch's
+arithmetic is not the single stream's, identity is unattainable there too, so
+`BatchGate` checks the streams decoded in a batch by teacher forcing, its
+tolerance set from native-batch's own streams: rounding passes, a wrong,
+shifted or crossed token does not.
 """
 
 from __future__ import annotations
