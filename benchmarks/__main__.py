@@ -259,7 +259,7 @@ class Suite:
         self.refs: list[list[int]] = []  # native's tokens, per round
         self.ref: list[int] | None = None  # round 0's
         self.token_gate: Gate | None = None  # decided after the rounds: identity or teacher forcing
-        self.batch_gate: Gate | None = None  # for batched streams, where batching parts ways with native
+        self.batch_gate: BatchGate | None = None  # for batched streams, where batching parts from native
         self.concurrency_runs: dict[str, dict[int, list[Run]]] = {}  # token-checked targets only
         self.conc_prompts: dict[int, list[list[int]]] = {}  # streams -> one prompt per stream
         self.conc_refs: dict[int, list[list[int]]] = {}  # reference tokens for those prompts, per stream
@@ -525,9 +525,10 @@ class Suite:
         check_batches()
         exact = self.token_gate is None or self.token_gate.deterministic
         parted = [c["first_divergence"] for cs in self.batch_checks.values() for c in cs if not c["ok"]]
-        if exact and parted and hasattr(native, "model"):
+        model = getattr(native, "model", None)  # a stand-in native without one keeps identity
+        if exact and parted and model is not None:
             self.batch_gate = BatchGate(
-                native.model, [(self.conc_prompts[n][i], self.conc_refs[n][i]) for n, i in alone], min(parted)
+                model, [(self.conc_prompts[n][i], self.conc_refs[n][i]) for n, i in alone], min(parted)
             )
             self.say(
                 f"native-batch parted from native at token {min(parted)}: checking batched streams by teacher"
@@ -656,7 +657,7 @@ class Suite:
         self, prompt: list[int], tokens: list[int], ref: list[int], *, batched: bool = False
     ) -> dict[str, Any]:
         """One run's tokens against native's for the same prompt (see benchmarks/gate.py); `batched`:
-        a stream decoded in a batch, checked by `batch_gate` where batching parted ways with native."""
+        checked against native-batch's ids, so by `batch_gate` where native-batch parted from native."""
         gate = (self.batch_gate if batched else None) or self.token_gate
         if gate is None:
             div = first_divergence(ref, tokens)
@@ -672,11 +673,12 @@ class Suite:
             if not all(n in self.conc_refs for n in levels):
                 continue
             checked.append(f"{name} under concurrency")
-            if not all(
-                self.check_tokens(prompt, r.tokens, ref, batched=n > 1)["ok"]
-                for n, rs in levels.items()
-                for prompt, r, ref in zip(self.conc_prompts[n], rs, self.conc_refs[n], strict=True)
-            ):
+            ok = True
+            for n, rs in levels.items():
+                batched = self.conc_ref_basis.get(n) == NATIVE_BATCH  # against native-batch's ids
+                for prompt, r, ref in zip(self.conc_prompts[n], rs, self.conc_refs[n], strict=True):
+                    ok = ok and self.check_tokens(prompt, r.tokens, ref, batched=batched)["ok"]
+            if not ok:
                 bad.append(f"{name} under concurrency")
         if self.batch_checks:  # the reference itself: native-batch's streams are native's
             checked.append(f"{NATIVE_BATCH} under concurrency")

@@ -121,6 +121,15 @@ def user_message(agent: int, turn: int, *, seed: int, words: int = USER_WORDS) -
 # ---------------------------------------------------------------- one request
 
 
+def client_missing() -> str | None:
+    """Why the agents cannot be driven here (the ``openai`` client is missing); None when they can."""
+    try:
+        import openai  # noqa: F401
+    except ImportError as exc:
+        return f"the openai client is not installed ({exc}); pip install openai"
+    return None
+
+
 def _client(base_url: str) -> Any:
     import openai
 
@@ -534,10 +543,9 @@ def run_part(
         "servers": {},
         "skipped": {},
     }
-    try:
-        import openai  # noqa: F401
-    except ImportError as exc:
-        return {**out, "not_run": f"the openai client is not installed ({exc}); pip install openai"}
+    missing = client_missing()
+    if missing:
+        return {**out, "not_run": missing}
     make = _factories(model_path)
     live: dict[str, Any] = {}
     info: dict[str, Any] = {}

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import agents
 from .env import backend, describe
 from .measure import finite, ratio_spread, spread
 from .report import Progress, _f
@@ -373,15 +374,6 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def missing_clients() -> str | None:
-    """Why the agent part, which every row needs, could not run here; None when it can."""
-    try:
-        import openai  # noqa: F401
-    except ImportError as exc:
-        return f"the agent part needs the openai client ({exc}): pip install openai"
-    return None
-
-
 def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One document from several runs' (``--out``): rows, notes and runs in order; sizes must agree."""
     if not docs:
@@ -412,6 +404,24 @@ def _write(doc: dict[str, Any], out: Path) -> None:
     out.write_text(json.dumps(finite(doc), allow_nan=False) + "\n", encoding="utf-8")
 
 
+def _out_path(given: str | None) -> Path:
+    return Path(given) if given else Path("bench-results") / f"families-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def _finish(doc: dict[str, Any], runs: dict[str, Any], out: Path, head: str | None = None) -> int:
+    """Write `doc` with its `runs` to `out`; print the table, the notes and, last, the JSON line."""
+    _write({**doc, "runs": runs}, out)
+    if head:
+        print(head + "\n")
+    print(table(doc["rows"]))
+    print()
+    for line in doc["notes"]:
+        print(f"- {line}")
+    print(f"\nwritten: {out}")
+    print(json.dumps(finite({**doc, "outputs": {"json": str(out)}}), default=str, allow_nan=False))
+    return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
@@ -420,18 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as exc:
             print(f"families --merge: {exc}", file=sys.stderr)
             return 2
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        out = Path(args.out) if args.out else Path("bench-results") / f"families-{stamp}.json"
-        _write(doc, out)
-        print(table(doc["rows"]))
-        print()
-        for line in doc["notes"]:
-            print(f"- {line}")
-        print(f"\nwritten: {out}")
-        return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
-    missing = missing_clients()
+        runs = doc.pop("runs")
+        return _finish(doc, runs, _out_path(args.out))
+    missing = agents.client_missing()
     if missing:  # found before a long run, not after it (an H200 run once lost its agent part so)
-        print(f"families: {missing}", file=sys.stderr)
+        print(f"families: every row needs the agent part, and {missing}", file=sys.stderr)
         return 2
     profile, sizes = sizes_of(args)
     default = TINY if profile == "cpu" else REAL
@@ -460,20 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         "env": describe(),
         "elapsed_s": say.elapsed_s,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else Path("bench-results") / f"families-{stamp}.json"
-    _write({**doc, "runs": runs}, out)
-    print(f"families: {', '.join(presets)} ({profile} sizes{', quick' if args.quick else ''}): "
-          + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
-    print()
-    print(table(rows))
-    print()
-    for line in doc["notes"]:
-        print(f"- {line}")
-    print(f"\nwritten: {out}")
-    print(json.dumps(finite({**doc, "outputs": {"json": str(out)}}), default=str, allow_nan=False))
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
-
+    head = (f"families: {', '.join(presets)} ({profile} sizes{', quick' if args.quick else ''}): "
+            + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
+    return _finish(doc, runs, _out_path(args.out), head)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,8 +20,8 @@ class Progress:
         self.stream = stream or sys.stderr
 
     def __call__(self, msg: str) -> None:
-        s = time.perf_counter() - self.t0
-        print(f"[{int(s // 60):02d}:{s % 60:04.1f}] {msg}", file=self.stream, flush=True)
+        tenths = round((time.perf_counter() - self.t0) * 10)  # rounded first: never "[06:60.0]"
+        print(f"[{tenths // 600:02d}:{tenths % 600 / 10:04.1f}] {msg}", file=self.stream, flush=True)
 
     @property
     def elapsed_s(self) -> float:

@@ -577,7 +577,7 @@ def _family_doc(preset: str, sizes: dict, status: str = "ok") -> dict:
             "runs": {preset: {"k": 1}}}
 
 
-def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path):
+def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path, capsys):
     """Per-family runs join into one document; runs of other sizes or a family twice are refused."""
     sizes = {"rounds": 3}
     docs = [_family_doc("a", sizes), _family_doc("b", sizes, status="token-mismatch")]
@@ -588,6 +588,8 @@ def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path):
     out = tmp_path / "all.json"
     rc = families.main(["--merge", *map(str, paths), "--out", str(out)])
     doc = json.loads(out.read_text())
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # stdout ends in the JSON line
+    assert last["rows"] == doc["rows"] and last["outputs"] == {"json": str(out)} and "runs" not in last
     assert rc == 1  # one family failed, as a single run would say
     assert doc["config"]["presets"] == ["a", "b"] and [r["preset"] for r in doc["rows"]] == ["a", "b"]
     assert doc["runs"] == {"a": {"k": 1}, "b": {"k": 1}} and doc["elapsed_s"] == 4.0
@@ -605,3 +607,13 @@ def test_families_refuses_to_start_without_the_agent_client(monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "openai", None)  # import openai raises ImportError
     assert families.main(["--presets", "tiny", "--quick"]) == 2
     assert "openai" in capsys.readouterr().err
+
+
+def test_mlxrt_commit_names_the_tree_over_git(monkeypatch):
+    """MLXRT_COMMIT, where set, is the commit a figure records (a copied tree's .git can be stale)."""
+    from benchmarks import env
+
+    monkeypatch.setenv("MLXRT_COMMIT", "ff88b68")
+    assert env.git_commit() == "ff88b68"
+    monkeypatch.delenv("MLXRT_COMMIT")
+    assert env.git_commit() != "ff88b68"

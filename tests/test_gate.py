@@ -91,8 +91,7 @@ def _run(tokens):
 
 
 def test_batched_streams_are_teacher_forced_where_native_batch_parts_from_native(native):
-    """Where native-batch's ids differ from native's alone, batched streams are checked by teacher
-    forcing: greedy-valid ones pass, crossed ones (mlxrt's or native-batch's own) still fail."""
+    """Where native-batch parts from native alone, batched streams are teacher-forced; crossed ones fail."""
     from benchmarks import __main__ as bench
     from benchmarks import report
 

@@ -310,8 +310,7 @@ NOT_REWINDING = {"tiny-gemma3": "RotatingKVCache", "tiny-gpt-oss": "RotatingKVCa
 
 @pytest.mark.parametrize("family", REWINDING)
 def test_each_rewinding_family_drafts_with_its_own_ids(family):
-    """Each family with rewindable caches drafts with a perturbed copy of itself and keeps the
-    greedy ids it gets without a draft, chats included (their templates, their thinking)."""
+    """A KVCache family drafts with a perturbed copy of itself, rejecting some tokens, and keeps its ids."""
     from mlxrt.worker.synthetic import ensure_model
 
     path = str(ensure_model(family))
@@ -320,18 +319,17 @@ def test_each_rewinding_family_drafts_with_its_own_ids(family):
                                                  draft_policy="always", prompt_cache_bytes=0))
     reqs = [gen(1, "Once upon a time, in a small village by the sea,", max_tokens=24),
             gen(2, messages=chat("What is the weather like?"), max_tokens=24)]
-    proposed = 0
+    proposed = accepted = 0
     for req in reqs:
         ids, st = run_alone(drafted, req)
         assert ids == run_alone(plain, req)[0], (family, req.id)
-        proposed += st.draft_tokens
-    assert proposed > 0
+        proposed, accepted = proposed + st.draft_tokens, accepted + st.draft_accepted
+    assert 0 < accepted < proposed  # some rejected: the cache was rewound past them
 
 
 @pytest.mark.parametrize("family", sorted(NOT_REWINDING))
 def test_families_whose_caches_cannot_rewind_refuse_a_draft_at_load(family):
-    """Sliding-window and recurrent caches cannot be rewound past rejected draft tokens: a draft is
-    refused when the model loads, naming the cache kind, rather than serving wrong state."""
+    """A family with sliding-window or recurrent caches refuses a draft at load, naming the cache kind."""
     from mlxrt.worker.synthetic import ensure_model
 
     with pytest.raises(ValueError, match=f"rewinds the cache, which the target's .*{NOT_REWINDING[family]}"):
