@@ -467,5 +467,6 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
     return _finish(doc, runs, _out_path(args.out), head)
 
+
 if __name__ == "__main__":
     sys.exit(main())

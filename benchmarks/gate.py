@@ -15,10 +15,10 @@ native's reference run, between `MIN_TOLERANCE` and `MAX_TOLERANCE` logits.
 Batching can part ways with native where native alone is deterministic: on an
 H200 (mlx 0.32.4) gpt-oss-20b's native-batch streams (mlx-lm's
 BatchGenerator, 16 at once) differed from native's single stream at their
-first or second token, while Gemma 3's (deterministic too) matched. Where a batch's
-arithmetic is not the single stream's, identity is unattainable there too, so
-`BatchGate` checks the streams decoded in a batch by teacher forcing, its
-tolerance set from native-batch's own streams: rounding passes, a wrong,
+first or second token, while Gemma 3's (deterministic too) matched. Where a
+batch's arithmetic is not the single stream's, identity is unattainable there
+too, so `BatchGate` checks the streams decoded in a batch by teacher forcing,
+its tolerance set from native-batch's own streams: rounding passes, a wrong,
 shifted or crossed token does not.
 """
 
@@ -86,7 +86,6 @@ class Gate:
         }
 
 
-
 def _tolerance(worst: float) -> float:
     return min(MAX_TOLERANCE, max(MIN_TOLERANCE, NATIVE_MARGIN * worst))
 
@@ -124,8 +123,8 @@ class BatchGate:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "mode": "teacher-forced greedy check (native-batch's ids differ from native's alone: batching"
-            " changes the arithmetic here)",
+            "mode": "teacher-forced greedy check of batched streams (native-batch's ids differ from"
+            " native's alone here)",
             "batch_divergence": self.batch_divergence,
             "tolerance_logits": self.tolerance,
             "native_batch_bound_logits": MAX_TOLERANCE,
