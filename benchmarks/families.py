@@ -399,18 +399,14 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _write(doc: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(finite(doc), allow_nan=False) + "\n", encoding="utf-8")
-
-
 def _out_path(given: str | None) -> Path:
     return Path(given) if given else Path("bench-results") / f"families-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def _finish(doc: dict[str, Any], runs: dict[str, Any], out: Path, head: str | None = None) -> int:
     """Write `doc` with its `runs` to `out`; print the table, the notes and, last, the JSON line."""
-    _write({**doc, "runs": runs}, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(finite({**doc, "runs": runs}), allow_nan=False) + "\n", encoding="utf-8")
     if head:
         print(head + "\n")
     print(table(doc["rows"]))

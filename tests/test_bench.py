@@ -409,7 +409,8 @@ def test_native_batch_gives_each_prompt_its_own_greedy_tokens(tiny_model, refere
     assert all(r.n_tokens == 6 and r.ttft_ms > 0 and r.ended_at >= r.started_at for r in runs)
 
 
-def _run(tokens):
+def run_of(tokens):
+    """A measured run that emitted `tokens` (the figures are placeholders)."""
     return measure.Run(tokens=tokens, prompt_tokens=1, ttft_ms=1.0, decode_tps=1.0, total_s=1.0)
 
 
@@ -417,7 +418,7 @@ class _NativeByPrompt:
     """Stands in for native: its tokens are a function of the prompt, so crossed streams show."""
 
     def run(self, prompt, gen_tokens):
-        return _run([prompt[0] * 10, prompt[0] * 10 + 1])
+        return run_of([prompt[0] * 10, prompt[0] * 10 + 1])
 
 
 def test_crossed_streams_against_native_batch_fail_the_gate():
@@ -432,7 +433,7 @@ def test_crossed_streams_against_native_batch_fail_the_gate():
         suite.conc_prompts = {2: [[1], [2]]}
         suite.conc_refs = {2: batch_tokens}
         suite.conc_ref_basis = {2: bench.NATIVE_BATCH}
-        suite.concurrency_runs = {"mlxrt-http": {2: [_run(t) for t in mlxrt_tokens]}}
+        suite.concurrency_runs = {"mlxrt-http": {2: [run_of(t) for t in mlxrt_tokens]}}
         suite.concurrency_references()
         return suite.gate(native)
 

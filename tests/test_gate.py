@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_bench import run_of
 
 from benchmarks.gate import MIN_TOLERANCE, Gate, deficits, first_divergence
 
@@ -81,13 +82,7 @@ class _PartedNative:
     def run(self, prompt: list[int], n: int):
         tokens = self._native.greedy(prompt, n)
         tokens[3] = (tokens[3] + 1) % 2000
-        return _run(tokens)
-
-
-def _run(tokens):
-    from benchmarks import measure
-
-    return measure.Run(tokens=tokens, prompt_tokens=1, ttft_ms=1.0, decode_tps=1.0, total_s=1.0)
+        return run_of(tokens)
 
 
 def test_batched_streams_are_teacher_forced_where_native_batch_parts_from_native(native):
@@ -108,7 +103,7 @@ def test_batched_streams_are_teacher_forced_where_native_batch_parts_from_native
         suite.conc_prompts = {2: prompts}
         suite.conc_refs = {2: batch_tokens}
         suite.conc_ref_basis = {2: bench.NATIVE_BATCH}
-        suite.concurrency_runs = {"mlxrt-http": {2: [_run(t) for t in mlxrt_tokens]}}
+        suite.concurrency_runs = {"mlxrt-http": {2: [run_of(t) for t in mlxrt_tokens]}}
         suite.concurrency_references()
         return suite.gate({"native": {"token_checked": True}}), said
 
