@@ -110,7 +110,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 plan.skipped[n] = f"unknown scenario or part; choose from {', '.join(choices)}"
         plan.scenarios = list(SCENARIOS) if "e2e" in only else [n for n in SCENARIOS if n in only]
         listed_peers = [n for n in PEERS if n in only]
-        plan.peers = list(dict.fromkeys(listed_peers + (peer_names if peers_given else [])))
+        # --peers adds its peers' single-stream rounds only where --part asks for single-stream rounds:
+        # `--part agent --peers mlx_lm.server` names the agent part's peer and runs nothing else.
+        e2e_peers = peer_names if peers_given and (plan.scenarios or listed_peers) else []
+        plan.peers = list(dict.fromkeys(listed_peers + e2e_peers))
         plan.components = "components" in only
         want_conc = "concurrency" in only or (args.concurrency not in (None, "none", ""))
         plan.agent = want_agent or "agent" in only

@@ -45,8 +45,10 @@ from .report import Progress, _f
 TINY = ("tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5", "tiny-gemma3", "tiny-gpt-oss")
 REAL = ("qwen2.5-7b-4bit", "llama3.1-8b-4bit", "qwen3-8b-4bit", "qwen3-30b-a3b-4bit", "qwen3.5-27b-4bit",
         "gemma3-12b-4bit", "gpt-oss-20b-4bit")
-PARTS = "native,mlxrt-ring,mlxrt-http,concurrency,agent"
+#: the families' parts (--part) and the harness's --part names each one runs
+PARTS = {"single": "native,mlxrt-ring,mlxrt-http", "streams": "concurrency", "agents": "agent"}
 PEERS = "mlx_lm.server,llama.cpp,ollama"
+AGENT_SIZES = ("agents", "turns", "reply_tokens", "system_words", "user_words", "agent_rounds")
 HTTP, PEER, BATCH, ENGINE = "mlxrt-http", "mlx_lm.server", "native-batch", "native-engine"
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -96,6 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         kind = str if f == "streams" else int
         p.add_argument(f"--{f.replace('_', '-')}", type=kind,
                        help=f"(cpu {getattr(CPU, f)}, gpu {getattr(GPU, f)})")
+    p.add_argument("--part", default=",".join(PARTS),
+                   help=f"comma-separated parts to run (default: all of {','.join(PARTS)}); a later run can"
+                   " add a part that an earlier one left out, and --merge joins them into one row")
     p.add_argument("--peers", default=PEERS, help=f"the harness's --peers (default {PEERS})")
     p.add_argument("--out", help="where the JSON goes (default bench-results/families-<timestamp>.json)")
     p.add_argument("--remove-made-models", action="store_true",
@@ -106,7 +111,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="run nothing: join the --out documents of earlier runs (a family each, say, where a"
                    " machine is lent a few minutes at a time) into one, with its table; sizes must agree")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.parts = [n.strip() for n in args.part.split(",") if n.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        p.error(f"--part {args.part!r}: choose from {', '.join(PARTS)}")
+    return args
 
 
 def sizes_of(args: argparse.Namespace) -> tuple[str, Sizes]:
@@ -121,11 +131,15 @@ def model_ref(preset: str) -> str:
     return preset if (":" in preset or "/" in preset) else f"synthetic:{preset}"
 
 
-def harness_argv(model: str, sizes: Sizes, *, peers: str, json_path: Path) -> list[str]:
+def harness_argv(model: str, sizes: Sizes, *, parts: list[str], peers: str, json_path: Path) -> list[str]:
     """The ``python -m benchmarks`` command line of one family's run."""
-    argv = [sys.executable, "-m", "benchmarks", "--model", model, "--part", PARTS, "--peers", peers,
-            "--workers", "1", "--no-plot", "--json", str(json_path)]
+    argv = [sys.executable, "-m", "benchmarks", "--model", model, "--part", ",".join(PARTS[p] for p in parts),
+            "--peers", peers, "--workers", "1", "--no-plot", "--json", str(json_path)]
     for f, v in asdict(sizes).items():
+        if f == "streams" and "streams" not in parts:
+            v = "none"  # the harness runs its concurrency part wherever --streams names counts
+        elif f in AGENT_SIZES and "agents" not in parts:
+            continue  # ... and its agent part wherever an agent size is given
         argv += [f"--{f.replace('_', '-')}", str(v)]
     return argv
 
@@ -161,15 +175,15 @@ def listen_overflows() -> int | None:
     return None
 
 
-def run_family(model: str, sizes: Sizes, *, peers: str, timeout_s: float, work: Path,
+def run_family(model: str, sizes: Sizes, *, parts: list[str], peers: str, timeout_s: float, work: Path,
                say: Progress) -> dict[str, Any]:
     """One harness run: its JSON document (None if it wrote none), exit status, seconds, overflows."""
     path = work / f"{model.replace('/', '_').replace(':', '_')}.json"
     before = listen_overflows()
     t0 = time.perf_counter()
     try:  # the harness's progress goes straight to our stderr; its tables are in its JSON
-        proc = subprocess.run(harness_argv(model, sizes, peers=peers, json_path=path), stdout=subprocess.PIPE,
-                              text=True, timeout=timeout_s)
+        argv = harness_argv(model, sizes, parts=parts, peers=peers, json_path=path)
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
         rc: int | str = proc.returncode
     except subprocess.TimeoutExpired:
         rc = f"did not finish within {timeout_s:g} s (--timeout-s)"
@@ -261,26 +275,29 @@ def agents_row(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summarize(preset: str, model: str, run: dict[str, Any]) -> dict[str, Any]:
-    """One family's row from its harness run."""
+def summarize(preset: str, model: str, run: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+    """One family's row from its harness run of `parts`."""
     doc = run["doc"] or {}
     row: dict[str, Any] = {
         "preset": preset,
         "model": model,
         "model_type": _model_type(doc.get("config", {}).get("model_path")),
+        "parts": parts,
         "status": doc.get("status", "no-document"),
         "exit": run["exit"],
         "elapsed_s": run["elapsed_s"],
         "listen_overflows": run["listen_overflows"],
     }
-    if doc.get("status") == "crash" or not doc.get("scenarios"):
+    figures = doc.get("scenarios") or (doc.get("concurrency") or {}).get("levels") or \
+        (doc.get("agent") or {}).get("servers")
+    if doc.get("status") == "crash" or not figures:
         row["error"] = doc.get("error") or (doc.get("skipped") or {}).get("native") or "no figures"
         return row
     gate = doc.get("gate") or {}
     row.update(
         gate={"passed": gate.get("passed"), "mismatched": gate.get("mismatched"), "mode": gate.get("mode"),
               "batched": gate.get("batched")},
-        single=single_stream(doc),
+        single=single_stream(doc) if "single" in parts else {"not_run": "not asked for (--part)"},
         streams=streams(doc),
         agents=agents_row(doc),
         skipped=doc.get("skipped") or {},
@@ -357,7 +374,7 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
             out.append(f"{name}: the harness exited {r['exit']} ({r['status']})")
         for k, why in (r.get("skipped") or {}).items():
             out.append(f"{name}: {k} skipped: {why}")
-        for part in ("streams", "agents"):
+        for part in PARTS:
             p = r.get(part) or {}
             if p.get("not_run"):
                 out.append(f"{name}: {part} not run: {p['not_run']}")
@@ -374,28 +391,89 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _declared(row: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """The parts `row`'s run asked for; documents from before --part asked for all of them."""
+    parts = row.get("parts") or config.get("parts")
+    return list(PARTS) if parts is None or isinstance(parts, str) else parts
+
+
+def _has(row: dict[str, Any], part: str) -> bool:
+    """Whether `row` holds figures of `part` (a part asked for can still have none: not run, failed)."""
+    p = row.get(part)
+    if not p or p.get("not_run"):
+        return False
+    return part != "single" or any(k in p for k in ("mlxrt-ring", HTTP, PEER))
+
+
+def _join(a: dict[str, Any], b: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+    """One family's row from two runs: each of `parts` from the run that has its figures."""
+    out = {**a, "parts": [p for p in PARTS if p in set(a["parts"]) | set(b["parts"])]}
+    took = [p for p in parts if _has(b, p)]
+    for p in took:
+        out[p] = b[p]
+    for p in PARTS:  # `a` failed before any figure: its row has no parts at all
+        if p not in out and p in b:
+            out[p] = b[p]
+    if "gate" in b:
+        ga, gb = a.get("gate") or {}, b["gate"]
+        passed = [g.get("passed") for g in (ga, gb) if g.get("passed") is not None]
+        out["gate"] = {"passed": all(passed) if passed else None,
+                       "mismatched": (ga.get("mismatched") or []) + (gb.get("mismatched") or []),
+                       "mode": ga.get("mode") or gb.get("mode"),
+                       "batched": ga.get("batched") or gb.get("batched")}
+    out["skipped"] = {**(b.get("skipped") or {}), **(a.get("skipped") or {})}
+    if a["status"] == "ok":
+        out.update(status=b["status"], exit=b["exit"])
+    if "error" in b:
+        out["error"] = "; ".join(e for e in (a.get("error"), b["error"]) if e)
+    out["elapsed_s"] = a["elapsed_s"] + b["elapsed_s"]
+    if a.get("listen_overflows") is not None or b.get("listen_overflows") is not None:
+        out["listen_overflows"] = (a.get("listen_overflows") or 0) + (b.get("listen_overflows") or 0)
+    return out
+
+
 def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One document from several runs' (``--out``): rows, notes and runs in order; sizes must agree."""
+    """One document from several runs' (``--out``): rows, notes and runs in order; sizes must agree.
+
+    A family in more than one run gets one row: each part from the one run that has its figures (a
+    later run of the agent part alone, say, after the first run's agent part could not run). Two runs
+    with figures of the same part, or a part asked for twice and run by neither, are refused.
+    """
     if not docs:
         raise ValueError("nothing to merge")
     first = docs[0]["config"]
     for d in docs[1:]:
-        for k in ("sizes", "peers", "parts", "profile", "quick"):
+        for k in ("sizes", "peers", "profile", "quick"):
             if d["config"].get(k) != first.get(k):
                 raise ValueError(f"the runs differ in {k}: {first.get(k)!r} and {d['config'].get(k)!r}")
-    presets = [p for d in docs for p in d["config"]["presets"]]
-    if len(set(presets)) < len(presets):
-        raise ValueError(f"a preset is in more than one run: {presets}")
-    rows = [r for d in docs for r in d["rows"]]
+    rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Any] = {}
+    for d in docs:
+        for r in d["rows"]:
+            name, declared = r["preset"], _declared(r, d["config"])
+            run_key = name
+            if name in rows:
+                a = rows[name]
+                twice = [p for p in PARTS if p in a["parts"] and p in declared]
+                bad = [p for p in twice if _has(a, p) == _has(r, p)]
+                if bad:
+                    raise ValueError(f"{name}: {', '.join(bad)} in more than one run; each part of a family"
+                                     " must come from one run")
+                rows[name] = _join(a, {**r, "parts": declared}, declared)
+                run_key = f"{name} ({','.join(declared)})"
+            else:
+                rows[name] = {**r, "parts": declared}
+            runs[run_key] = (d.get("runs") or {}).get(name)
+    parts = {p for r in rows.values() for p in r["parts"]}
     return {
         "benchmark": "mlxrt-families",
-        "config": {**first, "presets": presets},
-        "rows": rows,
-        "notes": notes(rows),
+        "config": {**first, "presets": list(rows), "parts": [p for p in PARTS if p in parts]},
+        "rows": list(rows.values()),
+        "notes": notes(list(rows.values())),
         "env": docs[0]["env"],
         "envs": [d["env"] for d in docs],  # one per run: commits and versions are there to compare
         "elapsed_s": sum(d["elapsed_s"] for d in docs),
-        "runs": {k: v for d in docs for k, v in d.get("runs", {}).items()},
+        "runs": runs,
     }
 
 
@@ -428,9 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         runs = doc.pop("runs")
         return _finish(doc, runs, _out_path(args.out))
-    missing = agents.client_missing()
+    missing = agents.client_missing() if "agents" in args.parts else None
     if missing:  # found before a long run, not after it (an H200 run once lost its agent part so)
-        print(f"families: every row needs the agent part, and {missing}", file=sys.stderr)
+        print(f"families: the agent part needs the openai client, and {missing} (or leave it out: --part)",
+              file=sys.stderr)
         return 2
     profile, sizes = sizes_of(args)
     default = TINY if profile == "cpu" else REAL
@@ -442,10 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             model = model_ref(preset)
             made = made_dir(model) if args.remove_made_models else None
             say(f"family {i + 1}/{len(presets)}: {model}")
-            run = run_family(model, sizes, peers=args.peers, timeout_s=args.timeout_s, work=Path(tmp),
-                             say=say)
+            run = run_family(model, sizes, parts=args.parts, peers=args.peers, timeout_s=args.timeout_s,
+                             work=Path(tmp), say=say)
             runs[preset] = run["doc"]
-            rows.append(summarize(preset, model, run))
+            rows.append(summarize(preset, model, run, args.parts))
             say(f"{preset}: {rows[-1]['status']} in {run['elapsed_s']:.0f} s")
             if made is not None and made.exists():
                 say(f"removing {made} (--remove-made-models)")
@@ -453,13 +532,14 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "mlxrt-families",
         "config": {"presets": presets, "profile": profile, "quick": args.quick, "sizes": asdict(sizes),
-                   "peers": args.peers, "parts": PARTS},
+                   "peers": args.peers, "parts": args.parts},
         "rows": rows,
         "notes": notes(rows),
         "env": describe(),
         "elapsed_s": say.elapsed_s,
     }
-    head = (f"families: {', '.join(presets)} ({profile} sizes{', quick' if args.quick else ''}): "
+    head = (f"families: {', '.join(presets)}, parts {', '.join(args.parts)} ({profile} sizes"
+            f"{', quick' if args.quick else ''}): "
             + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
     return _finish(doc, runs, _out_path(args.out), head)
 

@@ -167,6 +167,11 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
     conc = bench.make_plan(bench.parse_args(["--part", "concurrency", "--streams", "4,1"]))
     assert conc.concurrency == [1, 4] and conc.scenarios == ["native"] and not conc.agent
     assert conc.http_peers == ["mlx_lm.server"]
+    # --peers names the parts' peer; single-stream rounds run only where --part asks for them
+    agent_peer = bench.make_plan(bench.parse_args(["--part", "agent", "--peers", "mlx_lm.server"]))
+    assert agent_peer.http_peers == ["mlx_lm.server"] and agent_peer.peers == agent_peer.scenarios == []
+    e2e_peer = bench.make_plan(bench.parse_args(["--part", "mlxrt-http,agent", "--peers", "mlx_lm.server"]))
+    assert e2e_peer.peers == ["mlx_lm.server"] and e2e_peer.scenarios == ["native", "mlxrt-http"]
     full = bench.make_plan(bench.parse_args(["--part", "concurrency", "--full"]))
     assert full.concurrency == [1, 4, 16, 32]
     assert bench.make_plan(bench.parse_args(["--part", "components", "--agents", "3"])).agent
@@ -601,6 +606,41 @@ def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path, capsys
     with pytest.raises(ValueError, match="more than one run"):
         families.merge([_family_doc("a", sizes), _family_doc("a", sizes)])
     assert families.main(["--merge", str(paths[0]), str(tmp_path / "absent.json")]) == 2
+
+
+def test_families_runs_parts_apart_and_merge_joins_them(tmp_path):
+    """--part runs some of a family's parts (a GPU lent minutes at a time); --merge makes one row of
+    two runs, each part from the run with its figures, and refuses a part with figures in both."""
+    cmd = [sys.executable, "-m", "benchmarks.families", "--presets", "tiny", "--quick"]
+    cmd += ["--peers", "mlx_lm.server"]
+    docs = []
+    for parts in ("single,streams", "agents"):
+        out = tmp_path / f"{parts}.json"
+        proc = subprocess.run([*cmd, "--part", parts, "--out", str(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        docs.append(json.loads(out.read_text()))
+    first, agent = (d["rows"][0] for d in docs)
+    assert first["parts"] == ["single", "streams"] and first["single"]["mlxrt-ring"]["ids_identical"]
+    assert first["streams"]["streams"] == 16 and "not_run" in first["agents"]
+    assert agent["parts"] == ["agents"] and "not_run" in agent["single"] and "not_run" in agent["streams"]
+    assert agent["agents"]["mlxrt-http"]["hit_rate"] > 0
+    assert docs[1]["runs"]["tiny"]["scenarios"] == {}  # --peers named the agents' peer: no single stream ran
+    merged = families.merge(docs)
+    row = merged["rows"][0]
+    assert row["single"] == first["single"] and row["streams"] == first["streams"]
+    assert row["agents"] == agent["agents"] and row["parts"] == list(families.PARTS)
+    assert merged["config"]["presets"] == ["tiny"] and set(merged["runs"]) == {"tiny", "tiny (agents)"}
+    assert row["elapsed_s"] == first["elapsed_s"] + agent["elapsed_s"] and row["status"] == "ok"
+    # a document from before --part asked for every part: its agents, not run, come from the later run
+    before = "native,mlxrt-ring,mlxrt-http,concurrency,agent"  # the harness's parts, as such runs stored them
+    old = {**docs[0], "config": {**docs[0]["config"], "parts": before},
+           "rows": [{k: v for k, v in first.items() if k != "parts"}]}
+    assert families.merge([old, docs[1]])["rows"][0]["agents"] == agent["agents"]
+    with pytest.raises(ValueError, match="agents in more than one run"):
+        families.merge([docs[1], docs[1]])
+    with pytest.raises(ValueError, match="single, streams in more than one run"):
+        families.merge([old, docs[0]])
 
 
 def test_families_refuses_to_start_without_the_agent_client(monkeypatch, capsys):
