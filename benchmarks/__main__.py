@@ -752,7 +752,11 @@ def run_suite(args: argparse.Namespace, plan: Plan, say: report.Progress) -> tup
                 suite.e2e()
             conc = suite.concurrency()
             suite.close()  # the agent part starts servers of its own: free the others' memory first
-            agent = suite.agent()
+            try:
+                agent = suite.agent()
+            except Exception as exc:  # the parts already measured stand
+                traceback.print_exc()
+                agent = {"not_run": f"the agent part failed: {type(exc).__name__}: {exc}"}
         else:
             why = f"model {suite.model!r} cannot be used"
             conc = {"not_run": why if plan.concurrency else plan.concurrency_note}

@@ -31,6 +31,7 @@ with its own system prompt so no round is served from an earlier one's cache.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -130,10 +131,19 @@ def client_missing() -> str | None:
     return None
 
 
+def _read_error(response: Any) -> None:
+    """Read an error's body before the ``openai`` client closes a streamed response unread: then its
+    exception carries what the server said (mlx_lm.server's 404 for any exception in generation)."""
+    if response.status_code >= 400:
+        response.read()
+
+
 def _client(base_url: str) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    http = openai.DefaultHttpxClient(event_hooks={"response": [_read_error]})
+    return openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=HTTP_TIMEOUT_S,
+                         http_client=http)
 
 
 def chat_turn(client: Any, server: Any, messages: Messages, max_tokens: int, **ids: int) -> Reply:
@@ -196,13 +206,14 @@ def warm_up(server: Any) -> None:
 
     Not a chat: a chat would leave the template's opening tokens in a prefix cache.
     """
-    _client(server.base_url).completions.create(
-        model=server.model,
-        prompt="Warm-up: say something.",
-        max_tokens=WARMUP_TOKENS,
-        temperature=0.0,
-        extra_body=server.chat_extra or None,
-    )
+    with _client(server.base_url) as client:
+        client.completions.create(
+            model=server.model,
+            prompt="Warm-up: say something.",
+            max_tokens=WARMUP_TOKENS,
+            temperature=0.0,
+            extra_body=server.chat_extra or None,
+        )
 
 
 # ---------------------------------------------------------------- the agents
@@ -210,7 +221,6 @@ def warm_up(server: Any) -> None:
 
 def run_agents(server: Any, sizes: Sizes, *, round_: int) -> tuple[list[Reply], list[Messages], float]:
     """All agents at once on `server`; returns every reply, each agent's final-turn prompt, and wall s."""
-    client = _client(server.base_url)
     system = system_prompt(sizes.system_words, seed=round_)
     barrier = threading.Barrier(sizes.agents + 1)
     replies: list[list[Reply]] = [[] for _ in range(sizes.agents)]
@@ -232,13 +242,14 @@ def run_agents(server: Any, sizes: Sizes, *, round_: int) -> tuple[list[Reply], 
             errors.append(exc)
 
     threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(sizes.agents)]
-    for th in threads:
-        th.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - start
+    with _client(server.base_url) as client:
+        for th in threads:
+            th.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - start
     if errors:
         raise errors[0]
     return [r for rs in replies for r in rs], finals, wall
@@ -251,9 +262,9 @@ def run_uncached(server: Any, prompts: list[Messages]) -> list[Reply]:
     otherwise time its first long prompt's first-use costs (up to 46 s of
     kernel compilation on a fresh CUDA host).
     """
-    client = _client(server.base_url)
-    chat_turn(client, server, prompts[0], 1)
-    return [chat_turn(client, server, p, 1, agent=i, turn=0) for i, p in enumerate(prompts)]
+    with _client(server.base_url) as client:
+        chat_turn(client, server, prompts[0], 1)
+        return [chat_turn(client, server, p, 1, agent=i, turn=0) for i, p in enumerate(prompts)]
 
 
 class NativeAgents:
@@ -480,30 +491,48 @@ class _Results:
 WARMUP_ROUND_SEED = 1_000_000  # warm-up rounds' system prompts share nothing with the measured ones
 
 
-def _warm_rounds(live: dict[str, Any], sizes: Sizes, say: Say) -> None:
+def failure(exc: BaseException) -> str:
+    """What went wrong, with what the server answered where the ``openai`` client's message leaves
+    it out (it quotes only an ``{"error": {"message": ...}}``)."""
+    why = f"{type(exc).__name__}: {exc}"
+    body = getattr(exc, "body", None)
+    if body is not None and " - " not in str(exc):
+        why += f": {body if isinstance(body, str) else json.dumps(body)}"[:500]
+    return why
+
+
+def _try_round(live: dict[str, Any], name: str, sizes: Sizes, round_: int, what: str, skipped: dict[str, str],
+               say: Say) -> tuple[list[Reply], list[Messages], float] | None:
+    """One round on one server; a server that fails is closed and skipped, the others go on."""
+    server = live[name]
+    run = server.run_agents if hasattr(server, "run_agents") else partial(run_agents, server)
+    try:
+        return run(sizes, round_=round_)
+    except Exception as exc:
+        skipped[name] = f"failed in {what}: {failure(exc)}"
+        say(f"agent: skip {name}: {skipped[name]}")
+        live.pop(name).close()
+        return None
+
+
+def _warm_rounds(live: dict[str, Any], sizes: Sizes, skipped: dict[str, str], say: Say) -> None:
     """Unmeasured rounds on every server: MLX's CUDA backend compiles a kernel the first time any
     process meets its shape and caches it on disk, so without them the first server pays for all."""
     for r in range(sizes.warmup_rounds):
-        for name, server in live.items():
+        for name in list(live):
             say(f"agent: warm-up round {r + 1}/{sizes.warmup_rounds} on {name} (not measured)")
-            run = server.run_agents if hasattr(server, "run_agents") else partial(run_agents, server)
-            run(sizes, round_=WARMUP_ROUND_SEED + r)
+            _try_round(live, name, sizes, WARMUP_ROUND_SEED + r, f"warm-up round {r + 1}", skipped, say)
 
 
 def _rounds(live: dict[str, Any], sizes: Sizes, res: _Results, skipped: dict[str, str], say: Say) -> None:
-    _warm_rounds(live, sizes, say)
+    _warm_rounds(live, sizes, skipped, say)
     for r in range(sizes.rounds):
         for name in list(live):  # A B A B ...: the servers alternate round by round
             say(f"agent: round {r + 1}/{sizes.rounds} on {name}: {sizes.agents} agents x {sizes.turns} turns")
-            try:
-                server = live[name]
-                run = server.run_agents if hasattr(server, "run_agents") else partial(run_agents, server)
-                rs, finals, wall = run(sizes, round_=r)
-            except Exception as exc:
-                skipped[name] = f"failed in round {r + 1}: {type(exc).__name__}: {exc}"
-                say(f"agent: skip {name}: {skipped[name]}")
-                live.pop(name).close()
+            done = _try_round(live, name, sizes, r, f"round {r + 1}", skipped, say)
+            if done is None:
                 continue
+            rs, finals, wall = done
             res.replies[name] += rs
             res.walls[name].append(wall)
             res.finals.setdefault(name, finals)
@@ -524,7 +553,7 @@ def _uncached(
     try:
         return run_uncached(s, prompts), None
     except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, failure(exc)
     finally:
         s.close()
 

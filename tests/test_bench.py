@@ -450,6 +450,61 @@ def test_crossed_streams_against_native_batch_fail_the_gate():
     assert batch_crossed["mismatched"] == ["native-batch under concurrency"]
 
 
+def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
+    """A server that answers a streamed chat with an error (mlx_lm.server answers any exception in
+    generation with a 404 and a JSON body) is skipped with that body; the other servers' rounds run."""
+    import http.server
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"error": "generation thread died"}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Bad:
+        model, chat_extra, closed = "bench", {}, False
+
+        def __init__(self, port: int) -> None:
+            self.base_url = f"http://127.0.0.1:{port}/v1"
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Good:
+        closed = False
+
+        def run_agents(self, sizes, *, round_):
+            reply = agents.Reply(agent=0, turn=1, round=round_, ttft_ms=1.0, total_s=0.1, reply_tokens=2,
+                                 prompt_tokens=9, cached_tokens=0, finish_reason="length", text="hi")
+            return [reply], [[]], 0.1
+
+        def close(self) -> None:
+            self.closed = True
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        bad, good = Bad(httpd.server_address[1]), Good()
+        live = {"bad": bad, "good": good}
+        sizes = agents.Sizes(agents=1, turns=1, reply_tokens=2, system_words=5, warmup_rounds=1)
+        res, skipped, said = agents._Results(list(live)), {}, []
+        agents._rounds(live, sizes, res, skipped, said.append)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert list(live) == ["good"] and bad.closed and not good.closed
+    assert skipped["bad"].startswith("failed in warm-up round 1: NotFoundError")
+    assert "generation thread died" in skipped["bad"]
+    assert len(res.replies["good"]) == 1 and res.walls["good"] == [0.1] and not res.replies["bad"]
+
+
 def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     """--part agent: both servers run the agents; per-turn figures, reply counts, the uncached reference."""
     out_json = tmp_path / "agent.json"
