@@ -373,3 +373,29 @@ def test_failure_on_the_fast_path_fails_that_request_alone():
     assert isinstance(rec.errors[1], BatchStepError) and 1 not in rec.stats
     assert run_alone(engine, seeded)[0] == before
     assert run_batch(engine, [gen(3, "Hello"), gen(4, "World")]).errors == {}
+
+
+def test_moe_prefill_steps_fit_cudas_grid(monkeypatch):
+    """On MLX's CUDA backend (pretended here), a mixture-of-experts model's prefill carries at most
+    65535 (token, expert) pairs a call: the batched step is cut so that `prompt_concurrency` prompts fit,
+    the lone step only past that cap, and the ids are the uncut engine's. Dense models and the other
+    backends keep the options' step."""
+    import mlxrt.worker.engine as engine_mod
+    from mlxrt.worker.synthetic import ensure_model
+
+    moe, dense = (str(ensure_model(p)) for p in ("tiny-qwen3-moe", "tiny-llama"))  # MoE: 2 experts a token
+    opts = EngineOptions(prompt_concurrency=64, prefill_step_size=1024, single_stream=False)
+    plain = Engine(moe, options=opts)
+    assert (plain.solo_prefill_step, plain.batch_prefill_step) == (1024, 1024)  # the CPU has no such limit
+    monkeypatch.setattr(engine_mod, "may_lack_kernels", lambda: True)
+    cut = Engine(moe, options=opts)
+    assert engine_mod.prefill_token_cap(cut.model, {"num_experts_per_tok": 2}) == 32767
+    assert cut.solo_prefill_step == 1024 and cut.batch_prefill_step == 448  # 32767 // 64 = 511, in 64s
+    assert cut._batch.prefill_step_size == 448 and 64 * 448 * 2 <= engine_mod.CUDA_GRID_LIMIT
+    solo_cut = Engine(moe, options=EngineOptions(prompt_concurrency=1, prefill_step_size=40000))
+    assert (solo_cut.solo_prefill_step, solo_cut.batch_prefill_step) == (32767, 32704)
+    assert (Engine(dense, options=opts).batch_prefill_step) == 1024  # no experts: no limit
+    # prompts of two steps when cut, all through the batch (single_stream off)
+    reqs = [gen(i, ids=[(7 * i + 3 * j) % 200 + 5 for j in range(470 + i)], max_tokens=8) for i in range(3)]
+    got = run_batch(cut, reqs)
+    assert not got.errors and got.ids == run_batch(plain, reqs).ids
