@@ -137,7 +137,8 @@ ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
     "prompt_concurrency": "most prompts prefilled together per worker",
     "prefill_step_size": "prompt tokens per prefill step",
-    "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse)",
+    "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse; auto: an eighth of "
+                          "the memory MLX may use, 1-64 GiB)",
     "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",
 }
 
@@ -175,6 +176,10 @@ SAMPLING_FLAGS = {
 }
 
 
+def _shown(default: object) -> object:
+    return "auto" if default is None else default
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from .ipc.protocol import EngineOptions
 
@@ -182,7 +187,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     for name, what in ENGINE_FLAGS.items():
         env = "MLXRT_" + name.upper()
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                       help=f"{what} (default: ${env} or {getattr(defaults, name)})")
+                       help=f"{what} (default: ${env} or {_shown(getattr(defaults, name))})")
     group = p.add_argument_group("model options (each --model; docs/options.md)")
     for name, (flag, kind, what) in MODEL_FLAGS.items():
         group.add_argument(flag, dest=name, type=kind, default=None, help=what)

@@ -376,26 +376,54 @@ def test_failure_on_the_fast_path_fails_that_request_alone():
 
 
 def test_moe_prefill_steps_fit_cudas_grid(monkeypatch):
-    """On MLX's CUDA backend (pretended here), a mixture-of-experts model's prefill carries at most
-    65535 (token, expert) pairs a call: the batched step is cut so that `prompt_concurrency` prompts fit,
-    the lone step only past that cap, and the ids are the uncut engine's. Dense models and the other
-    backends keep the options' step."""
-    import mlxrt.worker.engine as engine_mod
+    """On MLX's CUDA backend (pretended), MoE prefill calls carry at most 65535 (token, expert) pairs."""
+    # The batched step is cut so that `prompt_concurrency` prompts fit, the lone step only past the cap,
+    # and the ids are the uncut engine's. Dense models and the other backends keep the options' step.
+    from mlxrt.worker import limits
     from mlxrt.worker.synthetic import ensure_model
 
     moe, dense = (str(ensure_model(p)) for p in ("tiny-qwen3-moe", "tiny-llama"))  # MoE: 2 experts a token
     opts = EngineOptions(prompt_concurrency=64, prefill_step_size=1024, single_stream=False)
+    monkeypatch.setattr(limits, "on_cuda", lambda: False)
     plain = Engine(moe, options=opts)
-    assert (plain.solo_prefill_step, plain.batch_prefill_step) == (1024, 1024)  # the CPU has no such limit
-    monkeypatch.setattr(engine_mod, "may_lack_kernels", lambda: True)
+    assert plain.prefill == limits.PrefillSteps(1024, 1024, 64)
+    monkeypatch.setattr(limits, "on_cuda", lambda: True)
     cut = Engine(moe, options=opts)
-    assert engine_mod.prefill_token_cap(cut.model, {"num_experts_per_tok": 2}) == 32767
-    assert cut.solo_prefill_step == 1024 and cut.batch_prefill_step == 448  # 32767 // 64 = 511, in 64s
-    assert cut._batch.prefill_step_size == 448 and 64 * 448 * 2 <= engine_mod.CUDA_GRID_LIMIT
-    solo_cut = Engine(moe, options=EngineOptions(prompt_concurrency=1, prefill_step_size=40000))
-    assert (solo_cut.solo_prefill_step, solo_cut.batch_prefill_step) == (32767, 32704)
-    assert (Engine(dense, options=opts).batch_prefill_step) == 1024  # no experts: no limit
+    assert limits.prefill_token_cap(cut.model, {"num_experts_per_tok": 2}) == 32767
+    assert limits.prefill_token_cap(cut.model, {}) == 65535 // 8  # experts under an unknown name
+    assert limits.prefill_token_cap(Engine(dense, options=opts).model, {}) is None  # no experts: no limit
+    assert cut.prefill == limits.PrefillSteps(1024, 448, 64)  # 32767 // 64 = 511, in 64s
+    assert cut._batch.prefill_step_size == 448 and 64 * 448 * 2 <= limits.CUDA_GRID_LIMIT
+    lone = Engine(moe, options=EngineOptions(prompt_concurrency=1, prefill_step_size=40000))
+    assert lone.prefill == limits.PrefillSteps(32767, 32704, 1)
+    many = limits.prefill_steps(EngineOptions(prompt_concurrency=600), 8191, "m")  # under 64 tokens a row
+    assert many == limits.PrefillSteps(2048, 64, 127) and many.batch * many.batch_prompts <= 8191
     # prompts of two steps when cut, all through the batch (single_stream off)
     reqs = [gen(i, ids=[(7 * i + 3 * j) % 200 + 5 for j in range(470 + i)], max_tokens=8) for i in range(3)]
     got = run_batch(cut, reqs)
     assert not got.errors and got.ids == run_batch(plain, reqs).ids
+
+
+def test_prefix_cache_cap_follows_the_machine_unless_given(monkeypatch):
+    """No prompt_cache_bytes: an eighth of the memory MLX may use, 1-64 GiB; a given cap is kept."""
+    import psutil
+    from mlxrt.worker import limits
+    from mlxrt.worker.synthetic import ensure_model
+
+    path = str(ensure_model("tiny"))
+    monkeypatch.setattr(limits.mx, "device_info", lambda: {}, raising=False)  # as on this VM: the RAM
+    want = max(1 << 30, min(psutil.virtual_memory().total // 8, 64 << 30))
+    assert EngineOptions().prompt_cache_bytes is None and limits.auto_prompt_cache_bytes() == want
+    auto = Engine(path, options=EngineOptions(prompt_cache_bytes=None))
+    assert auto.prompt_cache_bytes == auto.prefix_cache.max_bytes == want
+    for given in (0, 123_456):
+        e = Engine(path, options=EngineOptions(prompt_cache_bytes=given))
+        assert e.prompt_cache_bytes == e.prefix_cache.max_bytes == given
+    for memory, cap in ((16 << 30, 2 << 30), (4 << 30, 1 << 30), (1 << 40, 64 << 30)):
+        monkeypatch.setattr(limits.mx, "device_info", lambda m=memory: {"total_memory": m}, raising=False)
+        assert limits.auto_prompt_cache_bytes() == cap
+    monkeypatch.setattr(limits.mx, "device_info", lambda: {"max_recommended_working_set_size": 24 << 30,
+                                                           "memory_size": 32 << 30}, raising=False)
+    assert limits.auto_prompt_cache_bytes() == 3 << 30  # Metal's working set, not the whole memory
+    with pytest.raises(ValueError, match="prompt_cache_bytes"):
+        EngineOptions(prompt_cache_bytes=-1).validate()

@@ -148,6 +148,19 @@ def test_serve_flags_become_one_options_record():
                                         "max_tokens": 100}
 
 
+def test_prompt_cache_bytes_is_auto_unless_given(monkeypatch):
+    """No flag and no variable: None, sized by the worker; the variable, then the flag, win (0: off)."""
+    from mlxrt.cli import _engine_options
+
+    monkeypatch.delenv("MLXRT_PROMPT_CACHE_BYTES", raising=False)
+    serve = ["serve", "--model", "m"]
+    assert _engine_options(build_parser().parse_args(serve)).prompt_cache_bytes is None
+    monkeypatch.setenv("MLXRT_PROMPT_CACHE_BYTES", "0")
+    assert _engine_options(build_parser().parse_args(serve)).prompt_cache_bytes == 0
+    flag = [*serve, "--prompt-cache-bytes", "2048"]
+    assert _engine_options(build_parser().parse_args(flag)).prompt_cache_bytes == 2048
+
+
 def test_serve_help_lists_the_options(capsys):
     """`mlxrt serve --help` lists every per-model option."""
     with pytest.raises(SystemExit):

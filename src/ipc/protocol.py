@@ -20,7 +20,7 @@ import msgspec
 
 from .ring import RingSpec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: EngineOptions.prompt_cache_bytes may be None (sized by the worker)
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -206,7 +206,13 @@ def _check(ok: bool, field: str, rule: str, value: object) -> None:
 DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
-DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # a laptop's share: ~18k tokens of a 7B model's KV
+#: The prefix cache's byte cap when none is given ("auto"): this share of the memory MLX may use
+#: (`worker.engine.auto_prompt_cache_bytes`), within these bounds. 1 GiB is a 16 GB laptop's share
+#: (~18k tokens of a 7B model's KV); an H200 machine's is 16-18 GiB, room for 8 agents' 4k-token chats
+#: on an 8B.
+AUTO_PROMPT_CACHE_SHARE = 8
+MIN_AUTO_PROMPT_CACHE_BYTES = 1 << 30
+MAX_AUTO_PROMPT_CACHE_BYTES = 64 << 30
 #: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: under 1 GB).
 DEFAULT_EMBED_BATCH_TOKENS = 16384
 #: mlx_lm.server's defaults for the same options.
@@ -241,7 +247,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: Prompt tokens per prefill step (mlx_lm.server --prefill-step-size).
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
     #: Byte cap of the prefix cache; 0 turns prefix reuse off (mlx_lm.server --prompt-cache-bytes).
-    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    #: None: an eighth of the memory MLX may use on the worker's machine, 1-64 GiB.
+    prompt_cache_bytes: int | None = None
     #: A lone request decodes outside the batch, as `mlx_lm.generate_step` does (docs/engine.md).
     single_stream: bool = True
     #: Speculative decoding: the draft model a lone sequence drafts with (a directory, HF id or
@@ -282,7 +289,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.decode_concurrency >= 1, "decode_concurrency", "must be >= 1", self.decode_concurrency)
         _check(self.prompt_concurrency >= 1, "prompt_concurrency", "must be >= 1", self.prompt_concurrency)
         _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
-        _check(self.prompt_cache_bytes >= 0, "prompt_cache_bytes", "must be >= 0", self.prompt_cache_bytes)
+        _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0, "prompt_cache_bytes",
+               "must be >= 0", self.prompt_cache_bytes)
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
                f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
@@ -311,7 +319,7 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         if self.context_length is not None:
             _check(self.context_length >= 2, "context_length", "must be >= 2", self.context_length)
         if self.prompt_cache_file is not None:
-            _check(self.prompt_cache_bytes > 0, "prompt_cache_file",
+            _check(self.prompt_cache_bytes != 0, "prompt_cache_file",
                    "loads into the prefix cache: needs prompt_cache_bytes > 0", self.prompt_cache_file)
         self._sampling().validate()
         return self

@@ -118,6 +118,11 @@ class Supervision:
         )
 
 
+def _env_opt_int(name: str, default: int | None) -> int | None:
+    """`_env_int` for an option whose default is None (the worker decides)."""
+    return default if not os.environ.get(name) else _env_int(name, 0)
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -141,7 +146,7 @@ def engine_from_env() -> EngineOptions:
         decode_concurrency=_env_int("MLXRT_DECODE_CONCURRENCY", b.decode_concurrency),
         prompt_concurrency=_env_int("MLXRT_PROMPT_CONCURRENCY", b.prompt_concurrency),
         prefill_step_size=_env_int("MLXRT_PREFILL_STEP_SIZE", b.prefill_step_size),
-        prompt_cache_bytes=_env_int("MLXRT_PROMPT_CACHE_BYTES", b.prompt_cache_bytes),
+        prompt_cache_bytes=_env_opt_int("MLXRT_PROMPT_CACHE_BYTES", b.prompt_cache_bytes),
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
         embed_batch_tokens=_env_int("MLXRT_EMBED_BATCH_TOKENS", b.embed_batch_tokens),
     ).validate()

@@ -56,7 +56,6 @@ from collections import deque
 
 import mlx.core as mx
 import msgspec
-import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
@@ -76,7 +75,8 @@ from .choices import Group
 from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
-from .kvcache import KVQuant, check_quantizable, full_precision, make_cache, may_lack_kernels
+from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
+from .limits import auto_prompt_cache_bytes, prefill_steps, prefill_token_cap
 from .logprobs import TokenBytes, token_logprobs
 from .prefix_cache import PrefixCache
 from .prompt_file import load_prompt_file
@@ -176,9 +176,8 @@ class Engine:
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.trimmable = _always_trimmable(make_cache(self.model, o.max_kv_size))
         #: Prompt tokens per prefill step, lone and batched: the options', cut where the backend
-        #: cannot take that many tokens through the model's experts in one call (`prefill_token_cap`).
-        cap = prefill_token_cap(self.model, text)
-        self.solo_prefill_step, self.batch_prefill_step = _prefill_steps(o, cap, path)
+        #: cannot take that many tokens through the model's experts in one call (limits.py).
+        self.prefill = prefill_steps(o, prefill_token_cap(self.model, text), path)
         self.capabilities = capabilities(self.tokenizer)
         if o.chat_template is not None:
             self._check_template()
@@ -188,6 +187,9 @@ class Engine:
             check_quantizable(self.model, self.kv)
         self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens,
                                                                          o.draft_policy)
+        #: The prefix cache's byte cap: the options', or sized from this machine's memory.
+        self.prompt_cache_bytes = (auto_prompt_cache_bytes() if o.prompt_cache_bytes is None
+                                   else o.prompt_cache_bytes)
         self.prefix_cache = self._new_prefix_cache()
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
@@ -405,7 +407,7 @@ class Engine:
 
     def _new_prefix_cache(self) -> PrefixCache:
         total = self.group.total if self.group is not None and self.group.size > 1 else None
-        return PrefixCache(self.options.prompt_cache_bytes, total)
+        return PrefixCache(self.prompt_cache_bytes, total)
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
         """A prompt two prefill steps and a bit long, within the context.
@@ -657,7 +659,7 @@ class Engine:
             segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
                                                        turn_end=seq.turn_end)
             o = self.options
-            self._solo = Solo(self.model, seq, cache, segments, prefill_step_size=self.solo_prefill_step,
+            self._solo = Solo(self.model, seq, cache, segments, prefill_step_size=self.prefill.solo,
                               stream=self._batch.stream, kv=self.kv, max_kv_size=o.max_kv_size,
                               draft=self.draft)
         except Exception as exc:
@@ -858,50 +860,10 @@ class Engine:
         return BatchGenerator(
             self.model,
             completion_batch_size=o.decode_concurrency,
-            prefill_batch_size=o.prompt_concurrency,
-            prefill_step_size=self.batch_prefill_step,
+            prefill_batch_size=self.prefill.batch_prompts,
+            prefill_step_size=self.prefill.batch,
             max_kv_size=o.max_kv_size,
         )
-
-
-#: CUDA's largest grid y and z dimension. MLX's CUDA quantized gather matmul (the experts of a
-#: mixture-of-experts layer) launches one grid row per (token, expert) pair, so one call with more than
-#: 65535 / top_k tokens fails ("cuGraphAddKernelNode ... invalid argument", seen on an H200 with
-#: mlx 0.32.4 at 8 prompts x 2048 tokens for Qwen3-30B-A3B and gpt-oss-20b), and the CUDA context is
-#: unusable after. mlx_lm.server fails the same way; Metal has no such limit.
-CUDA_GRID_LIMIT = 65535
-#: A model's experts per token, under the names configs give it.
-EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k_experts")
-
-_log = structlog.get_logger("mlxrt.worker")
-
-
-def prefill_token_cap(model, config: dict) -> int | None:
-    """The most prompt tokens one forward pass may carry on this backend, or None for no limit:
-    on MLX's CUDA backend, `CUDA_GRID_LIMIT` over the experts each token goes to."""
-    if not may_lack_kernels():
-        return None
-    k = next((int(config[n]) for n in EXPERTS_PER_TOKEN_KEYS if isinstance(config.get(n), int)), None)
-    if k is None:
-        if not any(type(m).__name__ in ("SwitchGLU", "SwitchMLP") for _, m in model.named_modules()):
-            return None  # no experts
-        k = 8  # experts under a name not known here: as many as the largest common top-k
-    return CUDA_GRID_LIMIT // max(1, k)
-
-
-def _prefill_steps(o: EngineOptions, cap: int | None, model: str) -> tuple[int, int]:
-    """Prompt tokens per prefill step of a lone prompt and of `prompt_concurrency` prompts together
-    (mlx-lm prefills them as one batch of that many rows), each within `cap` tokens a call."""
-    step = o.prefill_step_size
-    if cap is None or o.prompt_concurrency * step <= cap:
-        return step, step
-    solo = min(step, cap)
-    per_row = cap // o.prompt_concurrency
-    batch = max(16, per_row - per_row % 64 if per_row >= 64 else per_row)
-    _log.warning("worker.prefill_step_capped", model=model, prefill_step_size=step, lone=solo, batched=batch,
-                 prompt_concurrency=o.prompt_concurrency, tokens_per_call=cap,
-                 why="MLX's CUDA expert matmul takes at most 65535 (token, expert) pairs a call")
-    return solo, batch
 
 
 def _always_trimmable(cache: list) -> bool:

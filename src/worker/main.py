@@ -434,7 +434,8 @@ def main() -> None:
     outbox = Outbox(tx)
     outbox.message(_ready(hello, engine))
     log.info("worker.ready", model=hello.model, import_s=round(import_s, 3), load_s=round(engine.load_s, 3),
-             warmup_s=round(engine.warmup_s, 3))
+             warmup_s=round(engine.warmup_s, 3),
+             prompt_cache_bytes=getattr(engine, "prompt_cache_bytes", None))  # an Embedder caches none
     server = Server(engine, outbox) if group is None else group.leader(engine, outbox)
     threading.Thread(target=_read_loop, args=(rx, server, log), name="mlxrt-reader", daemon=True).start()
     threading.Thread(target=_watch_parent, args=(server, log), name="mlxrt-parent", daemon=True).start()

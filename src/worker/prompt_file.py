@@ -59,7 +59,7 @@ def prompt_tokens(engine: Engine, *, prompt: str | None = None, system: str | No
 def save_prompt_file(engine: Engine, out: str, ids: list[int]) -> int:
     """Prefill `ids` (in chunks of the engine's prefill step) and save their cache at `out`; bytes."""
     cache = make_cache(engine.model, engine.options.max_kv_size)
-    step = engine.solo_prefill_step  # the options' step, within what the backend takes in one call
+    step = engine.prefill.solo  # the options' step, within what the backend takes in one call
     for start in range(0, len(ids), step):
         engine.model(mx.array(ids[start : start + step])[None], cache=cache)
         mx.eval([c.state for c in cache])

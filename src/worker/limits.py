@@ -1,0 +1,91 @@
+"""What the machine allows: how many prompt tokens one prefill call may carry, and how big the
+prefix cache may grow when no cap is given.
+
+MLX's CUDA backend launches its quantized gather matmul (a mixture-of-experts layer's experts) with
+one grid row per (token, expert) pair, and CUDA's y and z grid dimensions stop at 65535: one call
+with more pairs fails ("cuGraphAddKernelNode ... invalid argument", seen on an H200 with mlx 0.32.4 at
+8 prompts x 2048 tokens for Qwen3-30B-A3B and gpt-oss-20b), and the CUDA context is unusable after.
+mlx_lm.server fails the same way; Metal and the CPU have no such limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import structlog
+
+from ..ipc.protocol import (
+    AUTO_PROMPT_CACHE_SHARE,
+    MAX_AUTO_PROMPT_CACHE_BYTES,
+    MIN_AUTO_PROMPT_CACHE_BYTES,
+    EngineOptions,
+)
+
+log = structlog.get_logger("mlxrt.worker")
+
+CUDA_GRID_LIMIT = 65535
+#: A model's experts per token, under the names configs give it.
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k_experts")
+#: Taken where a model has mlx-lm's expert layers under a name not known here: the largest common top-k.
+UNKNOWN_EXPERTS_PER_TOKEN = 8
+#: MLX's `device_info()` keys for the memory it may use: Metal's working set first, then a GPU's memory.
+MEMORY_KEYS = ("max_recommended_working_set_size", "memory_size", "total_memory")
+
+
+def on_cuda() -> bool:
+    """Whether MLX runs on its CUDA backend here."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available()
+
+
+def prefill_token_cap(model: nn.Module, config: dict) -> int | None:
+    """The most prompt tokens one forward pass may carry on this backend, or None for no limit:
+    on MLX's CUDA backend, `CUDA_GRID_LIMIT` over the experts each token goes to."""
+    if not on_cuda():
+        return None
+    k = next((int(config[n]) for n in EXPERTS_PER_TOKEN_KEYS if isinstance(config.get(n), int)), None)
+    if k is None:
+        if not any(type(m).__name__ in ("SwitchGLU", "SwitchMLP") for _, m in model.named_modules()):
+            return None  # no experts
+        k = UNKNOWN_EXPERTS_PER_TOKEN
+    return CUDA_GRID_LIMIT // max(1, k)
+
+
+@dataclass(frozen=True)
+class PrefillSteps:
+    """Prompt tokens per prefill step of a lone prompt and of a batch, and the batch's most prompts."""
+
+    solo: int
+    batch: int
+    batch_prompts: int
+
+
+def prefill_steps(o: EngineOptions, cap: int | None, model: str) -> PrefillSteps:
+    """The options' steps, each within `cap` tokens a call: mlx-lm prefills `prompt_concurrency`
+    prompts as one batch of that many rows, so the batch's step is cut to fit them (in 64s), and where
+    not even 64 tokens a row fit, fewer prompts go together."""
+    step, prompts = o.prefill_step_size, o.prompt_concurrency
+    if cap is None or prompts * step <= cap:
+        return PrefillSteps(step, step, prompts)
+    per_row = cap // prompts
+    if per_row < 64:
+        prompts, per_row = max(1, cap // 64), 64
+    steps = PrefillSteps(min(step, cap), min(step, per_row - per_row % 64), prompts)
+    log.warning("worker.prefill_step_capped", model=model, prefill_step_size=step, lone=steps.solo,
+                batched=steps.batch, prompt_concurrency=o.prompt_concurrency, batch_prompts=prompts,
+                tokens_per_call=cap, why="MLX's CUDA expert matmul takes at most 65535 (token, expert) pairs")
+    return steps
+
+
+def auto_prompt_cache_bytes() -> int:
+    """The prefix cache's byte cap when none is given: an eighth of the memory MLX may use here
+    (Metal's recommended working set, a GPU's memory, else the machine's RAM), 1-64 GiB."""
+    import psutil
+
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    memory = next((int(info[k]) for k in MEMORY_KEYS if isinstance(info.get(k), int) and info[k] > 0), 0)
+    memory = memory or psutil.virtual_memory().total
+    share = min(memory // AUTO_PROMPT_CACHE_SHARE, MAX_AUTO_PROMPT_CACHE_BYTES)
+    return max(MIN_AUTO_PROMPT_CACHE_BYTES, share)
