@@ -497,7 +497,7 @@ def failure(exc: BaseException) -> str:
     why = f"{type(exc).__name__}: {exc}"
     body = getattr(exc, "body", None)
     if body is not None and " - " not in str(exc):
-        why += f": {body if isinstance(body, str) else json.dumps(body)}"[:500]
+        why += ": " + (body if isinstance(body, str) else json.dumps(body))[:500]
     return why
 
 

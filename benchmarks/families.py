@@ -291,7 +291,8 @@ def summarize(preset: str, model: str, run: dict[str, Any], parts: list[str]) ->
     figures = doc.get("scenarios") or (doc.get("concurrency") or {}).get("levels") or \
         (doc.get("agent") or {}).get("servers")
     if doc.get("status") == "crash" or not figures:
-        row["error"] = doc.get("error") or (doc.get("skipped") or {}).get("native") or "no figures"
+        why = (doc.get("agent") or {}).get("skipped") if "agents" in parts else None  # every server failed
+        row["error"] = doc.get("error") or (doc.get("skipped") or {}).get("native") or why or "no figures"
         return row
     gate = doc.get("gate") or {}
     row.update(
@@ -414,7 +415,7 @@ def _join(a: dict[str, Any], b: dict[str, Any], parts: list[str]) -> dict[str, A
     for p in PARTS:  # `a` failed before any figure: its row has no parts at all
         if p not in out and p in b:
             out[p] = b[p]
-    if "gate" in b:
+    if "gate" in b and {"single", "streams"} & set(took):
         ga, gb = a.get("gate") or {}, b["gate"]
         passed = [g.get("passed") for g in (ga, gb) if g.get("passed") is not None]
         out["gate"] = {"passed": all(passed) if passed else None,
@@ -422,10 +423,10 @@ def _join(a: dict[str, Any], b: dict[str, Any], parts: list[str]) -> dict[str, A
                        "mode": ga.get("mode") or gb.get("mode"),
                        "batched": ga.get("batched") or gb.get("batched")}
     out["skipped"] = {**(b.get("skipped") or {}), **(a.get("skipped") or {})}
-    if a["status"] == "ok":
+    if took and a["status"] == "ok":  # a run that added no figure leaves the row's verdict as it was
         out.update(status=b["status"], exit=b["exit"])
-    if "error" in b:
-        out["error"] = "; ".join(e for e in (a.get("error"), b["error"]) if e)
+    if took and "error" in b:
+        out["error"] = "; ".join(str(e) for e in (a.get("error"), b["error"]) if e)
     out["elapsed_s"] = a["elapsed_s"] + b["elapsed_s"]
     if a.get("listen_overflows") is not None or b.get("listen_overflows") is not None:
         out["listen_overflows"] = (a.get("listen_overflows") or 0) + (b.get("listen_overflows") or 0)
@@ -463,7 +464,12 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
                 run_key = f"{name} ({','.join(declared)})"
             else:
                 rows[name] = {**r, "parts": declared}
-            runs[run_key] = (d.get("runs") or {}).get(name)
+            for key, run in (d.get("runs") or {}).items():  # a merged document's runs, each kept
+                if key == name or key.startswith(f"{name} ("):
+                    key = run_key if key == name else key
+                    while key in runs:
+                        key += "+"
+                    runs[key] = run
     parts = {p for r in rows.values() for p in r["parts"]}
     return {
         "benchmark": "mlxrt-families",
@@ -471,7 +477,8 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
         "rows": list(rows.values()),
         "notes": notes(list(rows.values())),
         "env": docs[0]["env"],
-        "envs": [d["env"] for d in docs],  # one per run: commits and versions are there to compare
+        # one per run, a merged document's too: commits and versions are there to compare
+        "envs": [e for d in docs for e in d.get("envs", [d["env"]])],
         "elapsed_s": sum(d["elapsed_s"] for d in docs),
         "runs": runs,
     }

@@ -451,8 +451,8 @@ def test_crossed_streams_against_native_batch_fail_the_gate():
 
 
 def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
-    """A server that answers a streamed chat with an error (mlx_lm.server answers any exception in
-    generation with a 404 and a JSON body) is skipped with that body; the other servers' rounds run."""
+    """A server failing a warm-up round is skipped with what it answered; the others' rounds run."""
+    # mlx_lm.server answers any exception in generation with a 404 and a JSON body.
     import http.server
 
     class Failing(http.server.BaseHTTPRequestHandler):
@@ -664,8 +664,9 @@ def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path, capsys
 
 
 def test_families_runs_parts_apart_and_merge_joins_them(tmp_path):
-    """--part runs some of a family's parts (a GPU lent minutes at a time); --merge makes one row of
-    two runs, each part from the run with its figures, and refuses a part with figures in both."""
+    """--part runs some of a family's parts; --merge makes one row of two runs, each part from one."""
+    # A GPU is lent minutes at a time: a family's parts may come from several runs; a part with figures
+    # in two runs is refused.
     cmd = [sys.executable, "-m", "benchmarks.families", "--presets", "tiny", "--quick"]
     cmd += ["--peers", "mlx_lm.server"]
     docs = []
@@ -692,6 +693,14 @@ def test_families_runs_parts_apart_and_merge_joins_them(tmp_path):
     old = {**docs[0], "config": {**docs[0]["config"], "parts": before},
            "rows": [{k: v for k, v in first.items() if k != "parts"}]}
     assert families.merge([old, docs[1]])["rows"][0]["agents"] == agent["agents"]
+    again = families.merge([merged])  # a merged document merges again with its runs and machines
+    assert again["rows"] == merged["rows"] and again["runs"] == merged["runs"]
+    assert len(again["envs"]) == len(merged["envs"]) == 2
+    failed = {**docs[1], "rows": [{**agent, "status": "crash", "exit": 3, "error": "boom",
+                                   "agents": {"not_run": "boom"}}]}
+    kept = families.merge([*docs, failed])
+    assert kept["rows"][0] == {**row, "elapsed_s": row["elapsed_s"] + agent["elapsed_s"]}  # no figure, no say
+    assert len(kept["runs"]) == 3 and len(kept["envs"]) == 3
     with pytest.raises(ValueError, match="agents in more than one run"):
         families.merge([docs[1], docs[1]])
     with pytest.raises(ValueError, match="single, streams in more than one run"):
