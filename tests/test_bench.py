@@ -505,6 +505,23 @@ def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
     assert len(res.replies["good"]) == 1 and res.walls["good"] == [0.1] and not res.replies["bad"]
 
 
+def test_a_failing_agent_part_keeps_the_parts_measured_before(tmp_path, monkeypatch, capsys):
+    """An agent part that raises is reported as not run; the concurrency figures measured stand."""
+
+    def boom(self):
+        raise RuntimeError("agents broke")
+
+    monkeypatch.setattr(bench.Suite, "agent", boom)
+    out = tmp_path / "run.json"
+    argv = ["--model", "synthetic:tiny", "--part", "concurrency,agent", "--streams", "2", "--quick",
+            "--peers", "none", "--no-plot", "--json", str(out)]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["agent"]["not_run"] == "the agent part failed: RuntimeError: agents broke"
+    assert doc["concurrency"]["levels"] == [2] and doc["concurrency"]["targets"]
+    assert "agents broke" in capsys.readouterr().err  # its traceback, for whoever reads the log
+
+
 def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     """--part agent: both servers run the agents; per-turn figures, reply counts, the uncached reference."""
     out_json = tmp_path / "agent.json"
