@@ -207,7 +207,7 @@ DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
 #: The prefix cache's byte cap when none is given ("auto"): this share of the memory MLX may use
-#: (`worker.engine.auto_prompt_cache_bytes`), within these bounds. 1 GiB is a 16 GB laptop's share
+#: (`worker.limits.auto_prompt_cache_bytes`), within these bounds. 1 GiB is a 16 GB laptop's share
 #: (~18k tokens of a 7B model's KV); an H200 machine's is 16-18 GiB, room for 8 agents' 4k-token chats
 #: on an 8B.
 AUTO_PROMPT_CACHE_SHARE = 8

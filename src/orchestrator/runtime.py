@@ -698,13 +698,13 @@ class Runtime:
     `engine` says how each worker batches and caches (`EngineOptions`:
     decode_concurrency, prompt_concurrency, prefill_step_size,
     prompt_cache_bytes); by default the ``MLXRT_*`` variables of the same
-    names, else the defaults (the prefix cache sized from the machine's memory). A
-    model given as a `ModelSpec` (``models={"q": ModelSpec(path, draft_model=...,
-    kv_bits=8)}``) has
-    options of its own: a draft model, KV-cache quantization or a bounded
-    cache, a LoRA adapter, a chat template, its context length, a prompt-cache
-    file and default sampling (docs/options.md), checked before any worker
-    starts; a request's sampling keywords win over the model's defaults.
+    names, else the defaults (the prefix cache sized from the machine's
+    memory). A model given as a `ModelSpec` (``models={"q": ModelSpec(path,
+    draft_model=..., kv_bits=8)}``) has options of its own: a draft model,
+    KV-cache quantization or a bounded cache, a LoRA adapter, a chat template,
+    its context length, a prompt-cache file and default sampling
+    (docs/options.md), checked before any worker starts; a request's sampling
+    keywords win over the model's defaults.
 
     `spares` hot spares per model (default 0): loaded, warmed-up workers that
     take no requests and take a crashed worker's place at once, a new spare

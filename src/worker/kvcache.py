@@ -42,6 +42,8 @@ import structlog
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from .limits import on_cuda
+
 log = structlog.get_logger("mlxrt.worker")
 
 #: mlx-lm's attention over a quantized cache, as it was imported: what the fallback stands in for.
@@ -134,8 +136,7 @@ def check_quantizable(model: nn.Module, kv: KVQuant) -> None:
 
 def may_lack_kernels() -> bool:
     """Whether MLX's quantized attention may miss kernels here: its CUDA build (CPU and Metal have all)."""
-    cuda = getattr(mx, "cuda", None)
-    return cuda is not None and cuda.is_available()
+    return on_cuda()
 
 
 def dequantized_attention(queries: mx.array, q_keys: tuple, q_values: tuple, scale: float,

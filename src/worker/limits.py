@@ -75,7 +75,8 @@ def prefill_steps(o: EngineOptions, cap: int | None, model: str) -> PrefillSteps
     steps = PrefillSteps(min(step, cap), min(step, per_row - per_row % 64), prompts)
     log.warning("worker.prefill_step_capped", model=model, prefill_step_size=step, lone=steps.solo,
                 batched=steps.batch, prompt_concurrency=o.prompt_concurrency, batch_prompts=prompts,
-                tokens_per_call=cap, why="MLX's CUDA expert matmul takes at most 65535 (token, expert) pairs")
+                tokens_per_call=cap,
+                why=f"MLX's CUDA expert matmul takes at most {CUDA_GRID_LIMIT} (token, expert) pairs")
     return steps
 
 
