@@ -45,7 +45,8 @@ NATIVE_BATCH = "native-batch"
 DEFAULT_CONCURRENCY = "1,4,16"
 FULL_CONCURRENCY = "1,4,16,32"  # --full, and the default on a GPU
 AGENT_FLAGS = (
-    "agents", "turns", "reply_tokens", "system_words", "user_words", "agent_rounds", "agent_warmup_rounds"
+    "agents", "turns", "reply_tokens", "system_words", "user_words", "agent_rounds", "agent_warmup_rounds",
+    "prompt_cache_bytes",
 )
 DEFAULTS = {"prompt_tokens": 128, "gen_tokens": 128, "rounds": 5}
 QUICK = {"prompt_tokens": 32, "gen_tokens": 32, "rounds": 2}
@@ -196,6 +197,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="unmeasured rounds on every server first, each with its own system prompt (default: 1 on a"
         " GPU, where the first server to meet a shape pays its kernel compilation; 0 on a CPU)",
     )
+    a.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        metavar="BYTES",
+        help="the prompt cache's byte cap on every server of the part (mlxrt serve's and mlx_lm.server's"
+        " flag of that name; 0 turns the caches off; default: each server's own)",
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -217,8 +225,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     for k in ("prompt_tokens", "gen_tokens", "rounds", "workers", *AGENT_FLAGS):
-        if getattr(args, k) is not None and getattr(args, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1")
+        least = 0 if k == "prompt_cache_bytes" else 1
+        if getattr(args, k) is not None and getattr(args, k) < least:
+            p.error(f"--{k.replace('_', '-')} must be >= {least}")
     return args
 
 

@@ -23,6 +23,9 @@ from submission to the first token. Its gap to ``mlxrt-http`` is what the
 process split and the HTTP server cost; its gap to ``mlx_lm.server`` is the
 engine's.
 
+Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
+one to all (``--prompt-cache-bytes``, the same flag on both servers).
+
 Greedy, ``max_tokens`` = R; mlxrt gets ``ignore_eos``; mlx_lm.server runs with
 its EOS ids cleared (`benchmarks.http_scenario`). Each reply's token count is
 recorded all the same. Rounds alternate the servers (A B A B ...), each round
@@ -74,6 +77,15 @@ class Sizes:
     rounds: int = 1
     #: Unmeasured rounds on every server before the measured ones (kernel compilation, caches).
     warmup_rounds: int = 0
+    #: The prompt cache's byte cap given to every server (``--prompt-cache-bytes``, a flag of that
+    #: name and meaning on mlxrt serve and mlx_lm.server; the engine's option), so they keep the same
+    #: bytes of prefixes; None: each server's own default.
+    prompt_cache_bytes: int | None = None
+
+
+def cap_args(sizes: Sizes) -> list[str]:
+    """The servers' flags for `sizes`' prompt cache cap (none when each keeps its own default)."""
+    return [] if sizes.prompt_cache_bytes is None else ["--prompt-cache-bytes", str(sizes.prompt_cache_bytes)]
 
 
 @dataclass(kw_only=True)
@@ -270,14 +282,16 @@ def run_uncached(server: Any, prompts: list[Messages]) -> list[Reply]:
 class NativeAgents:
     """The agent workload on an in-process `Engine`, one thread, no HTTP: mlxrt's engine alone."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, *, prompt_cache_bytes: int | None = None) -> None:
         self.model_path = model_path
+        self.prompt_cache_bytes = prompt_cache_bytes
         self.engine: Any = None
 
     def setup(self) -> None:
-        from mlxrt.worker.engine import Engine
+        from mlxrt.worker.engine import Engine, EngineOptions
 
-        self.engine = Engine(self.model_path)
+        options = EngineOptions(prompt_cache_bytes=self.prompt_cache_bytes)
+        self.engine = Engine(self.model_path, options=options)
         self.engine.warmup(WARMUP_TOKENS)
 
     def warm_up(self) -> None:
@@ -288,7 +302,8 @@ class NativeAgents:
 
     def describe(self) -> dict[str, Any]:
         o = self.engine.options
-        return {"target": NATIVE, "engine": {f: getattr(o, f) for f in o.__struct_fields__}}
+        return {"target": NATIVE, "engine": {f: getattr(o, f) for f in o.__struct_fields__},
+                "prompt_cache_bytes": self.engine.prompt_cache_bytes}  # the cap in effect (auto resolved)
 
     def run_agents(self, sizes: Sizes, *, round_: int) -> tuple[list[Reply], list[Messages], float]:
         """Every agent's turns on the engine; a turn is submitted as soon as the agent's last one ends."""
@@ -438,13 +453,13 @@ def same_replies(a: list[Reply], b: list[Reply]) -> float | None:
 # ---------------------------------------------------------------- the part
 
 
-def _factories(model_path: str) -> dict[str, Callable[[list[str]], Any]]:
+def _factories(model_path: str, sizes: Sizes) -> dict[str, Callable[[list[str]], Any]]:
     from .http_scenario import HttpStream, MlxLmServer
 
     return {
         "mlxrt-http": lambda extra: HttpStream(model_path, extra_args=extra),
         "mlx_lm.server": lambda extra: MlxLmServer(model_path, extra_args=extra),
-        NATIVE: lambda extra: NativeAgents(model_path),
+        NATIVE: lambda extra: NativeAgents(model_path, prompt_cache_bytes=sizes.prompt_cache_bytes),
     }
 
 
@@ -575,11 +590,11 @@ def run_part(
     missing = client_missing()
     if missing:
         return {**out, "not_run": missing}
-    make = _factories(model_path)
+    make = _factories(model_path, sizes)
     live: dict[str, Any] = {}
     info: dict[str, Any] = {}
     for name in servers:
-        s, why = _start(lambda n=name: make[n]([]), name, say)
+        s, why = _start(lambda n=name: make[n](cap_args(sizes)), name, say)
         if s is None:
             out["skipped"][name] = why
         else:

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,8 @@ REAL = ("qwen2.5-7b-4bit", "llama3.1-8b-4bit", "qwen3-8b-4bit", "qwen3-30b-a3b-4
 #: the families' parts (--part) and the harness's --part names each one runs
 PARTS = {"single": "native,mlxrt-ring,mlxrt-http", "streams": "concurrency", "agents": "agent"}
 PEERS = "mlx_lm.server,llama.cpp,ollama"
-AGENT_SIZES = ("agents", "turns", "reply_tokens", "system_words", "user_words", "agent_rounds")
+AGENT_SIZES = ("agents", "turns", "reply_tokens", "system_words", "user_words", "agent_rounds",
+               "prompt_cache_bytes")
 HTTP, PEER, BATCH, ENGINE = "mlxrt-http", "mlx_lm.server", "native-batch", "native-engine"
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -67,6 +68,8 @@ class Sizes:
     system_words: int
     user_words: int
     agent_rounds: int
+    #: The agent part's prompt cache cap on every server (None: each server's own default).
+    prompt_cache_bytes: int | None = None
 
 
 #: The tiny presets on a 2-core CPU, about a minute a family: 4 agents x 3 turns of 16 tokens over
@@ -96,8 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="2 rounds of 32 tokens; 2 agents x 3 turns x 8")
     for f in Sizes.__dataclass_fields__:
         kind = str if f == "streams" else int
+        own = getattr(GPU, f) is None
         p.add_argument(f"--{f.replace('_', '-')}", type=kind,
-                       help=f"(cpu {getattr(CPU, f)}, gpu {getattr(GPU, f)})")
+                       help="the agent part's prompt cache cap on every server (default: each server's own)"
+                       if own else f"(cpu {getattr(CPU, f)}, gpu {getattr(GPU, f)})")
     p.add_argument("--part", default=",".join(PARTS),
                    help=f"comma-separated parts to run (default: all of {','.join(PARTS)}); a later run can"
                    " add a part that an earlier one left out, and --merge joins them into one row")
@@ -138,7 +143,7 @@ def harness_argv(model: str, sizes: Sizes, *, parts: list[str], peers: str, json
     for f, v in asdict(sizes).items():
         if f == "streams" and "streams" not in parts:
             v = "none"  # the harness runs its concurrency part wherever --streams names counts
-        elif f in AGENT_SIZES and "agents" not in parts:
+        elif v is None or (f in AGENT_SIZES and "agents" not in parts):
             continue  # ... and its agent part wherever an agent size is given
         argv += [f"--{f.replace('_', '-')}", str(v)]
     return argv
@@ -433,6 +438,13 @@ def _join(a: dict[str, Any], b: dict[str, Any], parts: list[str]) -> dict[str, A
     return out
 
 
+def _config(config: dict[str, Any], key: str) -> Any:
+    """`config[key]`, sizes with those added since an older run's document at their defaults."""
+    if key != "sizes":
+        return config.get(key)
+    return {f.name: f.default for f in fields(Sizes) if f.default is not MISSING} | config.get(key, {})
+
+
 def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One document from several runs' (``--out``): rows, notes and runs in order; sizes must agree.
 
@@ -445,8 +457,9 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     first = docs[0]["config"]
     for d in docs[1:]:
         for k in ("sizes", "peers", "profile", "quick"):
-            if d["config"].get(k) != first.get(k):
-                raise ValueError(f"the runs differ in {k}: {first.get(k)!r} and {d['config'].get(k)!r}")
+            a, b = (_config(c, k) for c in (first, d["config"]))
+            if a != b:
+                raise ValueError(f"the runs differ in {k}: {a!r} and {b!r}")
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Any] = {}
     for d in docs:
@@ -547,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     head = (f"families: {', '.join(presets)}, parts {', '.join(args.parts)} ({profile} sizes"
             f"{', quick' if args.quick else ''}): "
-            + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items()))
+            + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items() if v is not None))
     return _finish(doc, runs, _out_path(args.out), head)
 
 

@@ -5,6 +5,7 @@ These assert what the harness computes and reports, never how fast anything is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -522,10 +523,14 @@ def test_a_failing_agent_part_keeps_the_parts_measured_before(tmp_path, monkeypa
     assert "agents broke" in capsys.readouterr().err  # its traceback, for whoever reads the log
 
 
+CAP = 50_000_000  # bytes: the agent test's prompt cache cap, ample for tiny's chats
+
+
 def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     """--part agent: both servers run the agents; per-turn figures, reply counts, the uncached reference."""
     out_json = tmp_path / "agent.json"
     sizes = ["--agents", "2", "--turns", "2", "--reply-tokens", "4", "--system-words", "40"]
+    sizes += ["--prompt-cache-bytes", str(CAP)]  # one cap on every server
     cmd = [sys.executable, "-m", "benchmarks", "--model", "synthetic:tiny", "--part", "agent", *sizes]
     cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -534,7 +539,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     assert doc == json.loads(out_json.read_text()) and doc["status"] == "ok"
     ag = doc["agent"]
     want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
-            "rounds": 1, "warmup_rounds": 0}
+            "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
     assert ag["sizes"] == want  # no warm-up round on a CPU
     assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", "mlx_lm.server", "native-engine"}
     assert "mlxrt-http" in ag["servers"], (ag["skipped"], proc.stderr[-3000:])
@@ -548,6 +553,9 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
             assert sv["uncached"]["ttft_ms"]["n"] == 2 and t2["ttft_vs_uncached"] > 0
     assert all(r["reply_tokens"] == 4 for r in ag["servers"]["mlxrt-http"]["requests"])  # ignore_eos
     assert ag["servers"]["native-engine"]["uncached"] is None  # the in-process engine has no cache-off run
+    assert ag["servers"]["native-engine"]["info"]["prompt_cache_bytes"] == CAP
+    for name in set(ag["servers"]) - {"native-engine"}:
+        assert ag["servers"][name]["info"]["args"] == ["--prompt-cache-bytes", str(CAP)], name
     assert ag["same_replies_pct"]["native-engine"] == 100.0  # in-process, the same replies as the server
     assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
     assert "agents: 2 agents at once x 2 turns" in proc.stdout
@@ -675,6 +683,10 @@ def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path, capsys
     assert doc["notes"] == ["b: the harness exited 1 (token-mismatch)"]
     with pytest.raises(ValueError, match="sizes"):
         families.merge([_family_doc("a", sizes), _family_doc("c", {"rounds": 5})])
+    # a size added since (the agents' cache cap) reads as its default in an older run's document
+    assert families.merge([_family_doc("a", sizes), _family_doc("c", {**sizes, "prompt_cache_bytes": None})])
+    with pytest.raises(ValueError, match="sizes"):
+        families.merge([_family_doc("a", sizes), _family_doc("c", {**sizes, "prompt_cache_bytes": 1 << 30})])
     with pytest.raises(ValueError, match="more than one run"):
         families.merge([_family_doc("a", sizes), _family_doc("a", sizes)])
     assert families.main(["--merge", str(paths[0]), str(tmp_path / "absent.json")]) == 2
@@ -722,6 +734,18 @@ def test_families_runs_parts_apart_and_merge_joins_them(tmp_path):
         families.merge([docs[1], docs[1]])
     with pytest.raises(ValueError, match="single, streams in more than one run"):
         families.merge([old, docs[0]])
+
+
+def test_families_pass_the_agents_cache_cap_only_when_given():
+    """--prompt-cache-bytes reaches the harness with the agent part; unset, every server keeps its own."""
+    def argv(sizes, parts):
+        return families.harness_argv("m", sizes, parts=parts, peers="none", json_path=Path("x.json"))
+
+    capped = dataclasses.replace(families.GPU, prompt_cache_bytes=1 << 30)
+    assert "--prompt-cache-bytes" not in argv(families.GPU, ["agents"])
+    assert "--prompt-cache-bytes" not in argv(capped, ["single"])
+    got = argv(capped, ["agents"])
+    assert got[got.index("--prompt-cache-bytes") + 1] == str(1 << 30)
 
 
 def test_families_refuses_to_start_without_the_agent_client(monkeypatch, capsys):
