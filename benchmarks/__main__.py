@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -681,8 +682,10 @@ class Suite:
             return {"passed": None, "checked": [], "mismatched": [], "why": "native did not run"}
         checked = [n for n, s in scen.items() if s["token_checked"] and n != "native"]
         bad = [n for n in checked if not scen[n].get("tokens", {}).get("passed")]
+        unchecked = []
         for name, levels in self.concurrency_runs.items():  # each stream must get its own prompt's tokens
             if not all(n in self.conc_refs for n in levels):
+                unchecked.append(f"{name} under concurrency")  # no reference ids (a failed part, say)
                 continue
             checked.append(f"{name} under concurrency")
             ok = True
@@ -699,7 +702,8 @@ class Suite:
         mode = self.token_gate.describe() if self.token_gate else {"mode": "identical ids"}
         if self.batch_gate is not None:
             mode["batched"] = self.batch_gate.describe()
-        return {"passed": not bad, "checked": checked, "mismatched": bad, **mode}
+        return {"passed": not bad, "checked": checked, "mismatched": bad, **mode,
+                **({"unchecked": unchecked} if unchecked else {})}
 
     def document(self, conc: dict[str, Any], comp: dict[str, Any], agent: dict[str, Any]) -> dict[str, Any]:
         scen = {n: self.scenario_doc(n, rs) for n, rs in self.runs.items() if rs}
@@ -749,6 +753,16 @@ class Suite:
         }
 
 
+def _kept(part: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A part's document, or why it is not there where it raised: the parts measured before it stand
+    (an H200 run once lost its single-stream figures to the 16-stream part running out of memory)."""
+    try:
+        return run()
+    except Exception as exc:
+        traceback.print_exc()
+        return {"not_run": f"the {part} part failed: {type(exc).__name__}: {exc}"}
+
+
 def run_suite(args: argparse.Namespace, plan: Plan, say: report.Progress) -> tuple[dict[str, Any], Suite]:
     suite = Suite(args, plan, say)
     conc: dict[str, Any] = {}
@@ -759,13 +773,9 @@ def run_suite(args: argparse.Namespace, plan: Plan, say: report.Progress) -> tup
             if plan.scenarios or plan.peers:
                 suite.set_up_e2e()
                 suite.e2e()
-            conc = suite.concurrency()
+            conc = _kept("concurrency", suite.concurrency)
             suite.close()  # the agent part starts servers of its own: free the others' memory first
-            try:
-                agent = suite.agent()
-            except Exception as exc:  # the parts already measured stand
-                traceback.print_exc()
-                agent = {"not_run": f"the agent part failed: {type(exc).__name__}: {exc}"}
+            agent = _kept("agent", suite.agent)
         else:
             why = f"model {suite.model!r} cannot be used"
             conc = {"not_run": why if plan.concurrency else plan.concurrency_note}

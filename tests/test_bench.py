@@ -523,6 +523,29 @@ def test_a_failing_agent_part_keeps_the_parts_measured_before(tmp_path, monkeypa
     assert "agents broke" in capsys.readouterr().err  # its traceback, for whoever reads the log
 
 
+def test_a_failing_concurrency_part_keeps_the_single_stream_figures(tmp_path, monkeypatch, capsys):
+    """A concurrency part that raises after its streams ran (native's reference ids running out of
+    memory, as on an H200) is reported as not run; the single-stream figures stand, and the gate
+    names the streams it could not check."""
+
+    def boom(self, *args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench.NativeBatch, "setup", boom)  # as on the H200: no native-batch ids either
+    monkeypatch.setattr(bench.Suite, "concurrency_references", boom)
+    out = tmp_path / "run.json"
+    argv = ["--model", "synthetic:tiny", "--part", "native,mlxrt-ring,concurrency", "--streams", "2",
+            "--quick", "--peers", "none", "--no-plot", "--json", str(out)]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["concurrency"] == {"not_run": "the concurrency part failed: RuntimeError: out of memory"}
+    assert doc["scenarios"]["mlxrt-ring"]["tokens"]["passed"] and doc["scenarios"]["native"]["decode_tps"]
+    gate = doc["gate"]
+    assert gate["checked"] == ["mlxrt-ring"] and "mlxrt-w1 (ring) under concurrency" in gate["unchecked"]
+    captured = capsys.readouterr()
+    assert "out of memory" in captured.err and "not checked, no reference ids: mlxrt-w1" in captured.out
+
+
 CAP = 50_000_000  # bytes: the agent test's prompt cache cap, ample for tiny's chats
 
 
