@@ -132,7 +132,8 @@ def _engine_options(args: argparse.Namespace):
     return msgspec.structs.replace(base, **given).validate()
 
 
-#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens is mlxrt's own.
+#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens and gather_ms are
+#: mlxrt's own.
 ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
     "prompt_concurrency": "most prompts prefilled together per worker",
@@ -140,6 +141,8 @@ ENGINE_FLAGS = {
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse; auto: an eighth of "
                           "the memory MLX may use, 1-64 GiB)",
     "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",
+    "gather_ms": "after several replies end together, ms to hold new requests back so that their "
+                 "prefills go together (0: admit at once; mlxrt's own)",
 }
 
 #: Per-model options (docs/options.md), with mlx_lm.server's and mlx_lm.generate's flag names:

@@ -20,7 +20,7 @@ import msgspec
 
 from .ring import RingSpec
 
-PROTOCOL_VERSION = 3  # 3: EngineOptions.prompt_cache_bytes may be None (sized by the worker)
+PROTOCOL_VERSION = 4  # 4: EngineOptions.gather_ms; 3: EngineOptions.prompt_cache_bytes may be None
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -215,6 +215,10 @@ MIN_AUTO_PROMPT_CACHE_BYTES = 1 << 30
 MAX_AUTO_PROMPT_CACHE_BYTES = 64 << 30
 #: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: under 1 GB).
 DEFAULT_EMBED_BATCH_TOKENS = 16384
+#: An H200's agents sent their next turns 5-25 ms apart after their replies ended on one step
+#: (docs/benchmarks/gpu-h200-families.md#reading-it-2): the window covers that with room.
+DEFAULT_GATHER_MS = 50
+MAX_GATHER_MS = 1000
 #: mlx_lm.server's defaults for the same options.
 DEFAULT_NUM_DRAFT_TOKENS = 3
 DEFAULT_KV_GROUP_SIZE = 64
@@ -280,6 +284,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     #: Padded tokens per forward pass of an embedding model's inputs (docs/engine.md#embedding-models).
     embed_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS
+    #: After several replies end on one step, how long (ms) the worker holds new requests back to
+    #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
+    gather_ms: int = DEFAULT_GATHER_MS
     #: When a lone sequence with a draft model drafts: "adaptive" (while drafting is measured faster than
     #: plain decoding, docs/engine.md) or "always" (as mlx-lm does).
     draft_policy: Literal["adaptive", "always"] = "adaptive"
@@ -292,6 +299,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0, "prompt_cache_bytes",
                "must be >= 0", self.prompt_cache_bytes)
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
+        _check(0 <= self.gather_ms <= MAX_GATHER_MS, "gather_ms", f"must be in [0, {MAX_GATHER_MS}]",
+               self.gather_ms)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
                f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
         _check(self.draft_policy in DRAFT_POLICIES, "draft_policy", f"must be one of {DRAFT_POLICIES}",

@@ -203,13 +203,47 @@ def _frame(item: tuple) -> Tokens:
     return Tokens(req_id, [token], text)
 
 
+class Gather:
+    """When several replies end on one step, holds new requests back until as many have come, or for
+    at most `window_s`, so that their prefills go into one batch.
+
+    Clients that wait for a reply before sending their next request (agents, chats, a benchmark's
+    streams) send their follow-ups a few milliseconds apart once a batch's replies end together.
+    Admitted as they come, the first would be prefilled alone and the others would wait for that
+    prefill to end: on an H200, 7 of 8 agents' turns waited 210-670 ms so
+    (docs/benchmarks/gpu-h200-families.md#reading-it-2). In-process, where the next requests are
+    submitted between two steps, this does not arise. A lone reply ending opens no hold: a single
+    client's next request is admitted at once.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._expect = 0  # follow-ups awaited
+        self._until = 0.0  # perf_counter time the hold ends at the latest
+
+    def ended(self, replies: int, now: float) -> None:
+        """`replies` ended on the step that just ran."""
+        if replies >= 2 and self.window_s > 0:
+            self._expect, self._until = replies, now + self.window_s
+
+    def hold(self, waiting: int, now: float) -> float:
+        """Seconds to keep `waiting` new requests back (0: admit them now); the hold ends for good
+        once as many as ended have come or the window has passed."""
+        if self._expect and waiting < self._expect and now < self._until:
+            return self._until - now
+        self._expect = 0
+        return 0.0
+
+
 class Server:
     """Takes requests from the reader thread and runs them in the engine's batch on the MLX thread.
 
     The reader thread only queues, and compiles a request's grammar before
     queueing it: every engine call (submit, cancel, step) happens on the MLX
     thread, between batch steps, so a request that arrives mid-generation
-    joins the batch at the next step.
+    joins the batch at the next step. After a wave of replies ends, new
+    requests are held back a moment to be prefilled together (`Gather`);
+    the running ones keep decoding meanwhile.
     """
 
     def __init__(self, engine, outbox: Outbox) -> None:
@@ -220,6 +254,9 @@ class Server:
         self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
+        options = getattr(engine, "options", None)
+        self._gather = Gather(getattr(options, "gather_ms", 0) / 1000)
+        self._ended = 0  # replies that ended on the current step (not cancelled ones)
 
     # -- reader thread --
     def on_message(self, msg: object) -> None:
@@ -251,24 +288,43 @@ class Server:
         engine = self._engine
         while True:
             with self._cond:
-                while not (
-                    self._inbox or self._cancels or self._stopping or self._clear_cache or engine.busy
-                ):
-                    self._cond.wait()
-                inbox, self._inbox = self._inbox, deque()
+                while True:
+                    held = self._gather.hold(len(self._inbox), time.perf_counter()) if self._inbox else 0.0
+                    if (self._inbox and not held) or self._cancels or self._stopping or self._clear_cache \
+                            or engine.busy:
+                        break
+                    self._cond.wait(held or None)  # a hold ends by its deadline, or when more arrive
+                stopping = self._stopping
+                inbox = deque()
+                if not held or stopping:  # held requests stay queued while the running ones decode
+                    inbox, self._inbox = self._inbox, deque()
                 cancels, self._cancels = self._cancels, []
                 clear, self._clear_cache = self._clear_cache, False
-                stopping = self._stopping
+                dropped = self._drop_held(cancels)
             if stopping:
                 self._end_all(inbox)
                 return
+            for req in dropped:  # cancelled while held back: it never reached the engine
+                self.done(req.id, Stats(finish_reason="cancelled"), "")
             if clear:
                 engine.clear_cache()
             for req, queued_at in inbox:
                 engine.submit(req, self, queued_at=queued_at)
             for req_id in cancels:
                 engine.cancel(req_id)  # False: it already ended, and its end was sent
+            self._ended = 0
             engine.step()
+            self._gather.ended(self._ended, time.perf_counter())
+
+    def _drop_held(self, cancels: list[int]) -> list:
+        """Take the held-back requests that `cancels` name out of the inbox (under the lock)."""
+        if not cancels or not self._inbox:
+            return []
+        gone = set(cancels)
+        dropped = [req for req, _ in self._inbox if req.id in gone]
+        if dropped:
+            self._inbox = deque(item for item in self._inbox if item[0].id not in gone)
+        return dropped
 
     def _end_all(self, inbox) -> None:
         """Shutdown or EOF: everything queued or running ends as cancelled."""
@@ -286,6 +342,8 @@ class Server:
 
     def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None, *, index: int = 0,
              final: bool = True) -> None:
+        if final and stats.finish_reason != "cancelled":
+            self._ended += 1
         self._outbox.message(Done(id=req_id, stats=stats, text=text, reasoning=reasoning,
                                   tool_calls=list(calls or ()), index=index, final=final))
 

@@ -1,0 +1,164 @@
+"""The worker's Server gathers the follow-ups of replies that ended together into one prefill.
+
+The Server runs as in the worker process (its serve loop on its own thread, frames out through an
+Outbox over a pipe), with a real Engine on the tiny model; requests come in through `on_message`, as
+the reader thread hands them over. A spy on the engine records the step at which each request was
+submitted: requests submitted before the same step were admitted, and prefilled, together.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import pytest
+from mlxrt.ipc.channel import ChannelClosed
+from mlxrt.ipc.protocol import Cancel, Done, EngineOptions, Generate, SamplingParams, orchestrator_codec
+from mlxrt.ipc.stdio import PipeReceiver, PipeSender
+from mlxrt.worker.engine import Engine
+from mlxrt.worker.main import Gather, Outbox, Server
+
+LONG_MS = 1000  # the longest window: a request held back would show as a wait this long
+
+
+def gen(i: int, prompt: str = "the river runs past the mill and") -> Generate:
+    return Generate(id=i, prompt=prompt, params=SamplingParams(max_tokens=6, ignore_eos=True))
+
+
+class Served:
+    """A Server on its own thread; the frames it sends, and the step each request was submitted at."""
+
+    def __init__(self, model: str, gather_ms: int) -> None:
+        self.engine = engine = Engine(model, options=EngineOptions(gather_ms=gather_ms))
+        self.steps = 0
+        self.submitted: dict[int, int] = {}
+        step, submit = engine.step, engine.submit
+
+        def counted_step() -> None:
+            self.steps += 1
+            step()
+
+        def spied_submit(req, listener, **kw) -> None:
+            self.submitted[req.id] = self.steps
+            submit(req, listener, **kw)
+
+        engine.step, engine.submit = counted_step, spied_submit
+        r, self._w = os.pipe()
+        self.outbox = Outbox(PipeSender(self._w))
+        self.server = Server(engine, self.outbox)
+        self.frames: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(PipeReceiver(r),), daemon=True).start()
+        self._loop = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._loop.start()
+
+    def _read(self, rx: PipeReceiver) -> None:
+        codec = orchestrator_codec()
+        try:
+            while True:
+                self.frames.put(codec.decode(rx.recv(timeout=60)))
+        except ChannelClosed:
+            pass
+
+    def send(self, msg) -> None:
+        self.server.on_message(msg)
+
+    def ended(self, ids: set[int], timeout_s: float) -> dict[int, Done]:
+        """The final Done of each of `ids`; raises if one is missing after `timeout_s`."""
+        got: dict[int, Done] = {}
+        end = time.monotonic() + timeout_s
+        while set(got) != ids:
+            frame = self.frames.get(timeout=max(0.01, end - time.monotonic()))
+            if isinstance(frame, Done) and frame.final and frame.id in ids:
+                got[frame.id] = frame
+        return got
+
+    def close(self) -> None:
+        self.server.on_eof()
+        self._loop.join(30)
+        assert not self._loop.is_alive()
+        self.outbox.close()
+        os.close(self._w)
+
+
+@pytest.fixture
+def served(tiny_model):
+    made: list[Served] = []
+
+    def make(gather_ms: int) -> Served:
+        made.append(Served(tiny_model, gather_ms))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def wave(s: Served) -> None:
+    """Two requests admitted together end on one step: a wave of two replies."""
+    s.send(gen(1))
+    s.send(gen(2))
+    s.ended({1, 2}, 60)
+    assert s.submitted[1] == s.submitted[2]
+
+
+def test_follow_ups_of_a_wave_are_admitted_together(served):
+    """After two replies end together, the first follow-up waits for the second (sent 200 ms later),
+    and both go into the same step; with gathering off, the first goes at once, alone."""
+    for gather_ms, together in ((LONG_MS, True), (0, False)):
+        s = served(gather_ms)
+        wave(s)
+        s.send(gen(3))
+        time.sleep(0.2)
+        s.send(gen(4))
+        done = s.ended({3, 4}, 60)
+        assert all(d.stats.finish_reason == "length" for d in done.values())
+        assert (s.submitted[3] == s.submitted[4]) is together, (gather_ms, s.submitted)
+
+
+def test_a_lone_reply_holds_nothing_back(served):
+    """One reply ending is a single client's: its next request is admitted at once."""
+    s = served(LONG_MS)
+    s.send(gen(1))
+    s.ended({1}, 60)
+    start = time.monotonic()
+    s.send(gen(2))
+    s.ended({2}, LONG_MS / 1000 / 2)  # held back, it would wait out the whole window
+    assert time.monotonic() - start < LONG_MS / 1000 / 2
+
+
+def test_a_request_cancelled_while_held_back_ends_cancelled(served):
+    """A follow-up cancelled while it waits for the others never reaches the engine, and ends."""
+    s = served(LONG_MS)
+    wave(s)
+    s.send(gen(3))
+    time.sleep(0.1)  # the Server holds it: one of the two follow-ups it expects
+    s.send(Cancel(3))
+    done = s.ended({3}, LONG_MS / 1000 / 2)
+    assert done[3].stats.finish_reason == "cancelled" and 3 not in s.submitted
+
+
+def test_gather_holds_until_the_wave_has_come_or_the_window_ends():
+    """The hold's arithmetic: opened by two or more replies, ended by as many requests or the window."""
+    g = Gather(0.05)
+    g.ended(1, now=0.0)
+    assert g.hold(1, now=0.001) == 0.0  # a lone reply opens none
+    g.ended(3, now=1.0)
+    assert g.hold(1, now=1.01) == pytest.approx(0.04)
+    assert g.hold(2, now=1.02) == pytest.approx(0.03)
+    assert g.hold(3, now=1.03) == 0.0  # all three came
+    assert g.hold(1, now=1.031) == 0.0  # ... and the hold is over until the next wave
+    g.ended(2, now=2.0)
+    assert g.hold(1, now=2.06) == 0.0  # the window passed
+    off = Gather(0.0)
+    off.ended(8, now=0.0)
+    assert off.hold(1, now=0.0) == 0.0
+
+
+def test_gather_ms_is_checked():
+    """The option is bounded: a negative or huge window is refused by name."""
+    assert EngineOptions().gather_ms == 50
+    for bad in (-1, 100_000):
+        with pytest.raises(ValueError, match="gather_ms"):
+            EngineOptions(gather_ms=bad).validate()
