@@ -203,7 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         metavar="BYTES",
         help="the prompt cache's byte cap on every server of the part (mlxrt serve's and mlx_lm.server's"
-        " flag of that name; 0 turns the caches off; default: each server's own)",
+        " flag of that name, which on mlx_lm.server counts the running batch too; default: each"
+        " server's own)",
     )
     p.add_argument(
         "--full",
@@ -226,9 +227,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     for k in ("prompt_tokens", "gen_tokens", "rounds", "workers", *AGENT_FLAGS):
-        least = 0 if k == "prompt_cache_bytes" else 1
-        if getattr(args, k) is not None and getattr(args, k) < least:
-            p.error(f"--{k.replace('_', '-')} must be >= {least}")
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")  # a cache cap of 0 is not "off" everywhere
     return args
 
 

@@ -24,7 +24,9 @@ process split and the HTTP server cost; its gap to ``mlx_lm.server`` is the
 engine's.
 
 Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
-one to all (``--prompt-cache-bytes``, the same flag on both servers).
+one to all (``--prompt-cache-bytes``, the flag of that name on both servers;
+mlx_lm.server counts its running batch's KV against it, mlxrt only what it
+stores).
 
 Greedy, ``max_tokens`` = R; mlxrt gets ``ignore_eos``; mlx_lm.server runs with
 its EOS ids cleared (`benchmarks.http_scenario`). Each reply's token count is
@@ -77,9 +79,9 @@ class Sizes:
     rounds: int = 1
     #: Unmeasured rounds on every server before the measured ones (kernel compilation, caches).
     warmup_rounds: int = 0
-    #: The prompt cache's byte cap given to every server (``--prompt-cache-bytes``, a flag of that
-    #: name and meaning on mlxrt serve and mlx_lm.server; the engine's option), so they keep the same
-    #: bytes of prefixes; None: each server's own default.
+    #: The prompt cache's byte cap given to every server (``--prompt-cache-bytes`` on mlxrt serve and
+    #: mlx_lm.server, the engine's option); None: each server's own default. The budgets differ:
+    #: mlxrt's bounds the stored prefixes, mlx_lm.server 0.32 charges its running batch's KV too.
     prompt_cache_bytes: int | None = None
 
 

@@ -15,7 +15,16 @@ import time
 
 import pytest
 from mlxrt.ipc.channel import ChannelClosed
-from mlxrt.ipc.protocol import Cancel, Done, EngineOptions, Generate, SamplingParams, orchestrator_codec
+from mlxrt.ipc.protocol import (
+    Cancel,
+    Done,
+    EngineOptions,
+    Generate,
+    Ping,
+    Pong,
+    SamplingParams,
+    orchestrator_codec,
+)
 from mlxrt.ipc.stdio import PipeReceiver, PipeSender
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.main import Gather, Outbox, Server
@@ -97,15 +106,15 @@ def served(tiny_model):
 
 def wave(s: Served) -> None:
     """Two requests admitted together end on one step: a wave of two replies."""
-    s.send(gen(1))
-    s.send(gen(2))
+    with s.server._cond:  # both queued before the serve loop looks (the lock is re-entrant)
+        s.send(gen(1))
+        s.send(gen(2))
     s.ended({1, 2}, 60)
     assert s.submitted[1] == s.submitted[2]
 
 
 def test_follow_ups_of_a_wave_are_admitted_together(served):
-    """After two replies end together, the first follow-up waits for the second (sent 200 ms later),
-    and both go into the same step; with gathering off, the first goes at once, alone."""
+    """After a wave of two replies, follow-ups 200 ms apart go in one step; with gather_ms 0, apart."""
     for gather_ms, together in ((LONG_MS, True), (0, False)):
         s = served(gather_ms)
         wave(s)
@@ -122,20 +131,35 @@ def test_a_lone_reply_holds_nothing_back(served):
     s = served(LONG_MS)
     s.send(gen(1))
     s.ended({1}, 60)
-    start = time.monotonic()
     s.send(gen(2))
-    s.ended({2}, LONG_MS / 1000 / 2)  # held back, it would wait out the whole window
-    assert time.monotonic() - start < LONG_MS / 1000 / 2
+    done = s.ended({2}, 60)
+    assert done[2].stats.queue_ms < LONG_MS  # held back, it would have waited out the whole window
 
 
 def test_a_request_cancelled_while_held_back_ends_cancelled(served):
-    """A follow-up cancelled while it waits for the others never reaches the engine, and ends."""
+    """A held follow-up counts as queued; cancelled, it never reaches the engine, and ends."""
     s = served(LONG_MS)
     wave(s)
     s.send(gen(3))
     time.sleep(0.1)  # the Server holds it: one of the two follow-ups it expects
+    s.send(Ping(seq=1))
+    pong = s.frames.get(timeout=30)
+    while not isinstance(pong, Pong):
+        pong = s.frames.get(timeout=30)
+    assert pong.engine.queued == 1  # a held request shows in the worker's report as queued
     s.send(Cancel(3))
-    done = s.ended({3}, LONG_MS / 1000 / 2)
+    done = s.ended({3}, 30)
+    assert done[3].stats.finish_reason == "cancelled" and 3 not in s.submitted  # not run after its hold
+
+
+def test_a_shutdown_ends_the_requests_held_back(served):
+    """EOF while a follow-up is held: it ends cancelled, as everything queued does, and the loop exits."""
+    s = served(LONG_MS)
+    wave(s)
+    s.send(gen(3))
+    time.sleep(0.1)
+    s.server.on_eof()
+    done = s.ended({3}, 30)
     assert done[3].stats.finish_reason == "cancelled" and 3 not in s.submitted
 
 
@@ -143,17 +167,29 @@ def test_gather_holds_until_the_wave_has_come_or_the_window_ends():
     """The hold's arithmetic: opened by two or more replies, ended by as many requests or the window."""
     g = Gather(0.05)
     g.ended(1, now=0.0)
-    assert g.hold(1, now=0.001) == 0.0  # a lone reply opens none
+    assert g.hold(1, oldest=0.0, now=0.001) == 0.0  # a lone reply opens none
     g.ended(3, now=1.0)
-    assert g.hold(1, now=1.01) == pytest.approx(0.04)
-    assert g.hold(2, now=1.02) == pytest.approx(0.03)
-    assert g.hold(3, now=1.03) == 0.0  # all three came
-    assert g.hold(1, now=1.031) == 0.0  # ... and the hold is over until the next wave
+    assert g.hold(1, oldest=1.005, now=1.01) == pytest.approx(0.04)
+    assert g.hold(2, oldest=1.005, now=1.02) == pytest.approx(0.03)
+    assert g.hold(3, oldest=1.005, now=1.03) == 0.0  # all three came
+    assert g.hold(1, oldest=1.03, now=1.031) == 0.0  # ... and the hold is over until the next wave
     g.ended(2, now=2.0)
-    assert g.hold(1, now=2.06) == 0.0  # the window passed
+    assert g.hold(1, oldest=2.0, now=2.06) == 0.0  # the window passed
     off = Gather(0.0)
     off.ended(8, now=0.0)
-    assert off.hold(1, now=0.0) == 0.0
+    assert off.hold(1, oldest=0.0, now=0.0) == 0.0
+
+
+def test_a_wave_during_a_hold_joins_it_and_never_extends_it():
+    """Waves ending while requests are held add to those awaited, but the hold keeps its deadline,
+    and no request waits longer than the window from its arrival."""
+    g = Gather(0.05)
+    g.ended(2, now=0.0)
+    g.ended(6, now=0.04)  # another wave, before the first's follow-ups came
+    assert g.hold(2, oldest=0.01, now=0.045) == pytest.approx(0.005)  # 8 awaited; the first deadline
+    assert g.hold(2, oldest=0.01, now=0.05) == 0.0
+    g.ended(2, now=1.0)
+    assert g.hold(1, oldest=0.99, now=1.03) == pytest.approx(0.01)  # queued before the wave: its own window
 
 
 def test_gather_ms_is_checked():

@@ -284,12 +284,12 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     #: Padded tokens per forward pass of an embedding model's inputs (docs/engine.md#embedding-models).
     embed_batch_tokens: int = DEFAULT_EMBED_BATCH_TOKENS
-    #: After several replies end on one step, how long (ms) the worker holds new requests back to
-    #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
-    gather_ms: int = DEFAULT_GATHER_MS
     #: When a lone sequence with a draft model drafts: "adaptive" (while drafting is measured faster than
     #: plain decoding, docs/engine.md) or "always" (as mlx-lm does).
     draft_policy: Literal["adaptive", "always"] = "adaptive"
+    #: After several replies end on one step, how long (ms) the worker holds new requests back to
+    #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
+    gather_ms: int = DEFAULT_GATHER_MS
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""

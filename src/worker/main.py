@@ -36,6 +36,8 @@ import time
 import traceback
 from collections import deque
 
+import msgspec
+
 from ..ipc.channel import ChannelClosed, Receiver, Sender
 from ..ipc.protocol import (
     PROTOCOL_VERSION,
@@ -210,7 +212,7 @@ class Gather:
     Clients that wait for a reply before sending their next request (agents, chats, a benchmark's
     streams) send their follow-ups a few milliseconds apart once a batch's replies end together.
     Admitted as they come, the first would be prefilled alone and the others would wait for that
-    prefill to end: on an H200, 7 of 8 agents' turns waited 210-670 ms so
+    prefill to end: on an H200, 7 of 8 agents' turns waited 206-670 ms so
     (docs/benchmarks/gpu-h200-families.md#reading-it-2). In-process, where the next requests are
     submitted between two steps, this does not arise. A lone reply ending opens no hold: a single
     client's next request is admitted at once.
@@ -222,15 +224,21 @@ class Gather:
         self._until = 0.0  # perf_counter time the hold ends at the latest
 
     def ended(self, replies: int, now: float) -> None:
-        """`replies` ended on the step that just ran."""
-        if replies >= 2 and self.window_s > 0:
+        """`replies` ended on the step that just ran; a wave during a hold joins it, never extends it."""
+        if replies < 2 or self.window_s <= 0:
+            return
+        if self._expect and now < self._until:
+            self._expect += replies
+        else:
             self._expect, self._until = replies, now + self.window_s
 
-    def hold(self, waiting: int, now: float) -> float:
-        """Seconds to keep `waiting` new requests back (0: admit them now); the hold ends for good
-        once as many as ended have come or the window has passed."""
-        if self._expect and waiting < self._expect and now < self._until:
-            return self._until - now
+    def hold(self, waiting: int, oldest: float, now: float) -> float:
+        """Seconds to keep `waiting` new requests back (0: admit them now), the oldest of them queued at
+        `oldest`; the hold ends for good once as many as ended have come or the window has passed, and
+        no request is held longer than the window."""
+        until = min(self._until, oldest + self.window_s)
+        if self._expect and waiting < self._expect and now < until:
+            return until - now
         self._expect = 0
         return 0.0
 
@@ -273,7 +281,10 @@ class Server:
                 self._stopping = True
             elif isinstance(msg, Ping):
                 engine = self._engine
-                self._outbox.message(Pong(seq=msg.seq, memory=engine.memory(), engine=engine.report()))
+                report = engine.report()
+                if report is not None and self._inbox:  # requests held back count as queued too
+                    report = msgspec.structs.replace(report, queued=report.queued + len(self._inbox))
+                self._outbox.message(Pong(seq=msg.seq, memory=engine.memory(), engine=report))
             elif isinstance(msg, ClearCache):
                 self._clear_cache = True  # done on the MLX thread, between steps
             self._cond.notify()
@@ -289,7 +300,7 @@ class Server:
         while True:
             with self._cond:
                 while True:
-                    held = self._gather.hold(len(self._inbox), time.perf_counter()) if self._inbox else 0.0
+                    held = self._held(time.perf_counter())
                     if (self._inbox and not held) or self._cancels or self._stopping or self._clear_cache \
                             or engine.busy:
                         break
@@ -316,7 +327,13 @@ class Server:
             engine.step()
             self._gather.ended(self._ended, time.perf_counter())
 
-    def _drop_held(self, cancels: list[int]) -> list:
+    def _held(self, now: float) -> float:
+        """How long the queued requests are still held back (under the lock); 0 when none are queued."""
+        if not self._inbox:
+            return 0.0
+        return self._gather.hold(len(self._inbox), self._inbox[0][1], now)
+
+    def _drop_held(self, cancels: list[int]) -> list[Generate | Embed]:
         """Take the held-back requests that `cancels` name out of the inbox (under the lock)."""
         if not cancels or not self._inbox:
             return []
