@@ -316,16 +316,17 @@ def gate_line(doc: dict) -> str:
         if batch
         else ""
     )
-    unchecked = gate.get("unchecked")
-    left = f"; not checked, no reference ids: {', '.join(unchecked)}" if unchecked else ""
     if gate.get("mismatched"):
         bad = ", ".join(gate["mismatched"])
-        return "QUALITY GATE FAILED: tokens differ from native in " + bad + ref + how + left
-    if gate.get("checked") and how:
-        return "quality gate: greedy-valid tokens in " + ", ".join(gate["checked"]) + how + left
-    if gate.get("checked"):
-        return "quality gate: token ids identical to native in " + ", ".join(gate["checked"]) + ref + left
-    return "quality gate: not checked (" + gate.get("why", "no baseline") + ")" + left
+        line = "QUALITY GATE FAILED: tokens differ from native in " + bad + ref + how
+    elif gate.get("checked") and how:
+        line = "quality gate: greedy-valid tokens in " + ", ".join(gate["checked"]) + how
+    elif gate.get("checked"):
+        line = "quality gate: token ids identical to native in " + ", ".join(gate["checked"]) + ref
+    else:
+        line = "quality gate: not checked (" + gate.get("why", "no baseline") + ")"
+    unchecked = gate.get("unchecked")
+    return line + (f"; not checked, no reference ids: {', '.join(unchecked)}" if unchecked else "")
 
 
 def print_report(doc: dict, out: Any = None) -> None:

@@ -262,8 +262,7 @@ class Server:
         self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
-        options = getattr(engine, "options", None)
-        self._gather = Gather(getattr(options, "gather_ms", 0) / 1000)
+        self._gather = Gather(engine.options.gather_ms / 1000)
         self._ended = 0  # replies that ended on the current step (not cancelled ones)
 
     # -- reader thread --
@@ -282,7 +281,7 @@ class Server:
             elif isinstance(msg, Ping):
                 engine = self._engine
                 report = engine.report()
-                if report is not None and self._inbox:  # requests held back count as queued too
+                if self._inbox:  # requests held back count as queued too
                     report = msgspec.structs.replace(report, queued=report.queued + len(self._inbox))
                 self._outbox.message(Pong(seq=msg.seq, memory=engine.memory(), engine=report))
             elif isinstance(msg, ClearCache):
