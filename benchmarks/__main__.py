@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 import traceback
@@ -104,7 +105,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             plan.skipped[n] = f"unknown peer; choose from {', '.join(PEERS)} (or none)"
     peer_names = [n for n in peer_names if n in PEERS]
     plan.http_peers = [n for n in ("mlx_lm.server",) if not peers_given or n in peer_names]
-    want_agent = any(getattr(args, k) is not None for k in AGENT_FLAGS)
+    want_agent = any(getattr(args, k) is not None for k in AGENT_FLAGS) or bool(args.agent_mlxrt_args)
     if args.only:
         only = _names(args.only)
         for n in only:
@@ -206,6 +207,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " flag of that name, which on mlx_lm.server counts the running batch too; default: each"
         " server's own)",
     )
+    a.add_argument(
+        "--agent-mlxrt-args",
+        action="append",
+        type=shlex.split,
+        default=[],
+        metavar="ARGS",
+        help="also run the agents on mlxrt serve started with ARGS added, alternating with the others in the"
+        " same rounds (an A/B of a serve flag, e.g. --agent-mlxrt-args=--gather-ms=0); once per variant",
+    )
     p.add_argument(
         "--full",
         action="store_true",
@@ -229,6 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k in ("prompt_tokens", "gen_tokens", "rounds", "workers", *AGENT_FLAGS):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")  # a cache cap of 0 is not "off" everywhere
+    variants = [tuple(v) for v in args.agent_mlxrt_args]
+    if not all(variants) or len(set(variants)) < len(variants):
+        p.error("--agent-mlxrt-args: each variant names serve flags to add, and differs from the others")
     return args
 
 
@@ -568,6 +581,7 @@ class Suite:
             servers=["mlxrt-http", *self.plan.http_peers, agents.NATIVE],
             say=self.say,
             tokenizer=tokenizer,
+            variants=self.args.agent_mlxrt_args,
         )
 
     # -- components --
@@ -729,6 +743,7 @@ class Suite:
                 "concurrency": self.plan.concurrency,
                 "workers": a.workers,
                 "agent": asdict(agent_sizes(a)) if self.plan.agent else None,
+                "agent_mlxrt_args": a.agent_mlxrt_args if self.plan.agent else None,
                 "full": a.full,
             },
             "prompt": {

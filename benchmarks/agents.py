@@ -23,6 +23,11 @@ from submission to the first token. Its gap to ``mlxrt-http`` is what the
 process split and the HTTP server cost; its gap to ``mlx_lm.server`` is the
 engine's.
 
+``mlxrt-http ARGS`` (``--agent-mlxrt-args ARGS``, once per variant) is one more mlxrt serve
+started with ARGS added, in the same rounds: an A/B of a serve flag on the same workload, such as
+``--gather-ms=0`` against the default. Its uncached reference is mlxrt-http's (the same final-turn
+prompts where the replies are the same).
+
 Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
 one to all (``--prompt-cache-bytes``, the flag of that name on both servers;
 mlx_lm.server counts its running batch's KV against it, mlxrt only what it
@@ -40,7 +45,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from importlib import resources
@@ -83,6 +88,11 @@ class Sizes:
     #: mlx_lm.server, the engine's option); None: each server's own default. The budgets differ:
     #: mlxrt's bounds the stored prefixes, mlx_lm.server 0.32 charges its running batch's KV too.
     prompt_cache_bytes: int | None = None
+
+
+def variant_name(args: list[str]) -> str:
+    """The agent part's name for mlxrt serve started with `args` added."""
+    return " ".join([SERVERS[0], *args])
 
 
 def cap_args(sizes: Sizes) -> list[str]:
@@ -455,14 +465,19 @@ def same_replies(a: list[Reply], b: list[Reply]) -> float | None:
 # ---------------------------------------------------------------- the part
 
 
-def _factories(model_path: str, sizes: Sizes) -> dict[str, Callable[[list[str]], Any]]:
+def _factories(
+    model_path: str, sizes: Sizes, variants: Sequence[list[str]]
+) -> dict[str, Callable[[list[str]], Any]]:
     from .http_scenario import HttpStream, MlxLmServer
 
-    return {
+    out: dict[str, Callable[[list[str]], Any]] = {
         "mlxrt-http": lambda extra: HttpStream(model_path, extra_args=extra),
         "mlx_lm.server": lambda extra: MlxLmServer(model_path, extra_args=extra),
         NATIVE: lambda extra: NativeAgents(model_path, prompt_cache_bytes=sizes.prompt_cache_bytes),
     }
+    for args in variants:
+        out[variant_name(args)] = lambda extra, args=args: HttpStream(model_path, extra_args=[*args, *extra])
+    return out
 
 
 def _no_cache_why(name: str) -> str | None:
@@ -576,9 +591,21 @@ def _uncached(
 
 
 def run_part(
-    model_path: str, sizes: Sizes, *, servers: list[str], say: Say, tokenizer: Any = None
+    model_path: str,
+    sizes: Sizes,
+    *,
+    servers: list[str],
+    say: Say,
+    tokenizer: Any = None,
+    variants: Sequence[Sequence[str]] = (),
 ) -> dict[str, Any]:
-    """The agent workload on each of `servers` (names in `SERVERS`), then each one's uncached reference."""
+    """The agent workload on each of `servers` (names in `SERVERS` and `NATIVE`) and on mlxrt serve
+    with each of `variants`' flags added, then each one's uncached reference. The variants take their
+    turn in the rounds right after mlxrt-http."""
+    variants = [list(v) for v in variants]
+    variant_names = [variant_name(v) for v in variants]
+    at = servers.index(SERVERS[0]) + 1 if SERVERS[0] in servers else 0
+    servers = [*servers[:at], *variant_names, *servers[at:]]
     system = system_prompt(sizes.system_words, seed=0)
     out: dict[str, Any] = {
         "sizes": asdict(sizes),
@@ -592,7 +619,7 @@ def run_part(
     missing = client_missing()
     if missing:
         return {**out, "not_run": missing}
-    make = _factories(model_path, sizes)
+    make = _factories(model_path, sizes, variants)
     live: dict[str, Any] = {}
     info: dict[str, Any] = {}
     for name in servers:
@@ -607,10 +634,17 @@ def run_part(
     finally:
         for s in live.values():
             s.close()
+    refs: dict[str, list[Reply] | None] = {}
     for name in [n for n in servers if res.walls.get(n)]:
-        uncached, why = _uncached(make[name], name, res.finals[name], say)
+        if name in variant_names:  # the same server with a flag added: mlxrt-http's reference, if it has one
+            uncached, why = refs.get(SERVERS[0]), "mlxrt-http's did not run"
+        else:
+            uncached, why = _uncached(make[name], name, res.finals[name], say)
+            refs[name] = uncached
         doc = server_figures(res.replies[name], res.walls[name], sizes, uncached)
         doc["info"] = info[name]
+        if name in variant_names and uncached is not None:
+            doc["uncached_from"] = SERVERS[0]
         if uncached is None:
             doc["uncached_skipped"] = why
         out["servers"][name] = doc

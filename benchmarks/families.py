@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated parts to run (default: all of {','.join(PARTS)}); a later run can"
                    " add a part that an earlier one left out, and --merge joins them into one row")
     p.add_argument("--peers", default=PEERS, help=f"the harness's --peers (default {PEERS})")
+    p.add_argument("--agent-mlxrt-args", action="append", default=[], metavar="ARGS",
+                   help="the harness's flag of that name: the agents on one more mlxrt serve, with ARGS added"
+                   " (e.g. --agent-mlxrt-args=--gather-ms=0); once per variant")
     p.add_argument("--out", help="where the JSON goes (default bench-results/families-<timestamp>.json)")
     p.add_argument("--remove-made-models", action="store_true",
                    help="delete a synthetic model after its family's run when this run made it (the real"
@@ -136,7 +140,8 @@ def model_ref(preset: str) -> str:
     return preset if (":" in preset or "/" in preset) else f"synthetic:{preset}"
 
 
-def harness_argv(model: str, sizes: Sizes, *, parts: list[str], peers: str, json_path: Path) -> list[str]:
+def harness_argv(model: str, sizes: Sizes, *, parts: list[str], peers: str, json_path: Path,
+                 variants: Sequence[str] = ()) -> list[str]:
     """The ``python -m benchmarks`` command line of one family's run."""
     argv = [sys.executable, "-m", "benchmarks", "--model", model, "--part", ",".join(PARTS[p] for p in parts),
             "--peers", peers, "--workers", "1", "--no-plot", "--json", str(json_path)]
@@ -146,6 +151,8 @@ def harness_argv(model: str, sizes: Sizes, *, parts: list[str], peers: str, json
         elif v is None or (f in AGENT_SIZES and "agents" not in parts):
             continue  # ... and its agent part wherever an agent size is given
         argv += [f"--{f.replace('_', '-')}", str(v)]
+    if "agents" in parts:
+        argv += [f"--agent-mlxrt-args={v}" for v in variants]
     return argv
 
 
@@ -181,13 +188,13 @@ def listen_overflows() -> int | None:
 
 
 def run_family(model: str, sizes: Sizes, *, parts: list[str], peers: str, timeout_s: float, work: Path,
-               say: Progress) -> dict[str, Any]:
+               say: Progress, variants: Sequence[str] = ()) -> dict[str, Any]:
     """One harness run: its JSON document (None if it wrote none), exit status, seconds, overflows."""
     path = work / f"{model.replace('/', '_').replace(':', '_')}.json"
     before = listen_overflows()
     t0 = time.perf_counter()
     try:  # the harness's progress goes straight to our stderr; its tables are in its JSON
-        argv = harness_argv(model, sizes, parts=parts, peers=peers, json_path=path)
+        argv = harness_argv(model, sizes, parts=parts, peers=peers, json_path=path, variants=variants)
         proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=timeout_s)
         rc: int | str = proc.returncode
     except subprocess.TimeoutExpired:
@@ -277,6 +284,9 @@ def agents_row(doc: dict[str, Any]) -> dict[str, Any]:
         out["http_x_mlx_lm_server"] = ratio_spread(a, b) if len(a) == len(b) else None
         out["later_ttft_http_x_mlx_lm_server"] = _div(out[HTTP]["later_turn_ttft_ms"],
                                                      out[PEER]["later_turn_ttft_ms"])
+    for name in [n for n in out if n.startswith(HTTP + " ") and HTTP in out]:  # mlxrt serve with flags added
+        a, b = out[name]["round_tps"], out[HTTP]["round_tps"]
+        out[name]["x_mlxrt_http"] = ratio_spread(a, b) if len(a) == len(b) else None
     return out
 
 
@@ -390,6 +400,14 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
             if isinstance(sv, dict) and sv.get("short_replies"):
                 out.append(f"{name}: agents: {k}: {sv['short_replies']} replies ended before their max_tokens"
                            " (the context was full)")
+        for k, sv in (r.get("agents") or {}).items():
+            if k.startswith(HTTP + " ") and isinstance(sv, dict):
+                http = r["agents"].get(HTTP) or {}
+                out.append(f"{name}: agents: {k}: {_ratio(sv.get('x_mlxrt_http'))}x {HTTP}'s tok/s"
+                           f" ({_f(sv['aggregate_tps'].get('median'), '.1f')} / "
+                           f"{_f((http.get('aggregate_tps') or {}).get('median'), '.1f')}), later-turn TTFT"
+                           f" {_pair(sv['later_turn_ttft_ms'], http.get('later_turn_ttft_ms'))} ms, hit rate"
+                           f" {_pct(sv['hit_rate'])} / {_pct(http.get('hit_rate'))}")
         if r.get("listen_overflows"):
             out.append(f"{name}: {r['listen_overflows']} connections dropped by a full listen backlog during"
                        " the run (mlx_lm.server listens with a backlog of 5; a dropped connection retries"
@@ -542,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             made = made_dir(model) if args.remove_made_models else None
             say(f"family {i + 1}/{len(presets)}: {model}")
             run = run_family(model, sizes, parts=args.parts, peers=args.peers, timeout_s=args.timeout_s,
-                             work=Path(tmp), say=say)
+                             work=Path(tmp), say=say, variants=args.agent_mlxrt_args)
             runs[preset] = run["doc"]
             rows.append(summarize(preset, model, run, args.parts))
             say(f"{preset}: {rows[-1]['status']} in {run['elapsed_s']:.0f} s")
@@ -552,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "benchmark": "mlxrt-families",
         "config": {"presets": presets, "profile": profile, "quick": args.quick, "sizes": asdict(sizes),
-                   "peers": args.peers, "parts": args.parts},
+                   "peers": args.peers, "parts": args.parts, "agent_mlxrt_args": args.agent_mlxrt_args},
         "rows": rows,
         "notes": notes(rows),
         "env": describe(),

@@ -254,8 +254,9 @@ def agent_table(doc: dict) -> str:
         "TTFT median [min-max] over agents; x uncached = that over the uncached TTFT (each agent's final-turn"
         " prompt alone on a fresh cache-off server); cached = usage.prompt_tokens_details.cached_tokens",
     ]
+    w = max([14, *map(len, ag.get("servers", {})), *map(len, ag.get("skipped", {}))])
     head = (
-        f"{'server':<14} {'turn':>9} {'prompt tok':>10} {'cached tok':>16} {'TTFT ms median [min-max]':>30}"
+        f"{'server':<{w}} {'turn':>9} {'prompt tok':>10} {'cached tok':>16} {'TTFT ms median [min-max]':>30}"
         f" {'x uncached':>10} {'reply tok':>9}"
     )
     lines += [head, "-" * len(head)]
@@ -265,20 +266,20 @@ def agent_table(doc: dict) -> str:
             lo, hi = (t.get("reply_tokens") or {}).get("min"), (t.get("reply_tokens") or {}).get("max")
             reply = f"{lo}" if lo == hi else f"{lo}-{hi}"
             lines.append(
-                f"{name:<14} {t['turn']:>9} {_f(t['prompt_tokens']['median'], '.0f'):>10} {cached:>16}"
+                f"{name:<{w}} {t['turn']:>9} {_f(t['prompt_tokens']['median'], '.0f'):>10} {cached:>16}"
                 f" {_med(t['ttft_ms']):>30} {_f(t['ttft_vs_uncached'], '.2f'):>10} {reply:>9}"
             )
         u = sv.get("uncached")
         if u:
             cached = _med(u["cached_tokens"], ".0f") if u["cached_tokens"].get("n") else "not reported"
             lines.append(
-                f"{name:<14} {'uncached':>9} {_f(u['prompt_tokens']['median'], '.0f'):>10} {cached:>16}"
+                f"{name:<{w}} {'uncached':>9} {_f(u['prompt_tokens']['median'], '.0f'):>10} {cached:>16}"
                 f" {_med(u['ttft_ms']):>30} {'1.00':>10} {'1':>9}"
             )
         else:
-            lines.append(f"{name:<14} {'uncached':>9} skipped: {sv.get('uncached_skipped')}")
+            lines.append(f"{name:<{w}} {'uncached':>9} skipped: {sv.get('uncached_skipped')}")
         lines.append(
-            f"{name:<14} {'aggregate':>9} {_med(sv['aggregate_tps'])} tok/s (reply tokens / wall time),"
+            f"{name:<{w}} {'aggregate':>9} {_med(sv['aggregate_tps'])} tok/s (reply tokens / wall time),"
             f" wall {_med(sv['wall_s'], '.1f')} s"
         )
     same = ag.get("same_replies_pct") or {}
@@ -288,7 +289,7 @@ def agent_table(doc: dict) -> str:
             + ", ".join(f"{n} {_f(v, '.0f')}%" for n, v in same.items())
         )
     for name, why in ag.get("skipped", {}).items():
-        lines.append(f"{name:<14} skipped: {why}")
+        lines.append(f"{name:<{w}} skipped: {why}")
     if ag.get("not_run"):
         lines.append(f"not run: {ag['not_run']}")
     return "\n".join(lines)

@@ -183,6 +183,12 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
     assert bench.agent_sizes(bench.parse_args(["--full"])).system_words == agents.FULL["system_words"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--agents", "0"])
+    ab = ["--part", "components", "--agent-mlxrt-args", "--gather-ms 0"]
+    assert bench.make_plan(bench.parse_args(ab)).agent  # a variant asks for the agent part
+    assert bench.parse_args(["--agent-mlxrt-args=--gather-ms 0"]).agent_mlxrt_args == [["--gather-ms", "0"]]
+    for bad in (["--agent-mlxrt-args="], ["--agent-mlxrt-args=-x 1", "--agent-mlxrt-args=-x  1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)  # no flags, or the same variant twice
 
 
 def test_unreachable_ollama_is_skipped_with_the_reason(monkeypatch):
@@ -554,6 +560,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     out_json = tmp_path / "agent.json"
     sizes = ["--agents", "2", "--turns", "2", "--reply-tokens", "4", "--system-words", "40"]
     sizes += ["--prompt-cache-bytes", str(CAP)]  # one cap on every server
+    sizes += ["--agent-mlxrt-args=--gather-ms=0"]  # and one more mlxrt serve, with a flag added
     cmd = [sys.executable, "-m", "benchmarks", "--model", "synthetic:tiny", "--part", "agent", *sizes]
     cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -564,8 +571,9 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
             "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
     assert ag["sizes"] == want  # no warm-up round on a CPU
-    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", "mlx_lm.server", "native-engine"}
-    assert "mlxrt-http" in ag["servers"], (ag["skipped"], proc.stderr[-3000:])
+    variant = "mlxrt-http --gather-ms=0"
+    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", variant, "mlx_lm.server", agents.NATIVE}
+    assert {"mlxrt-http", variant} <= set(ag["servers"]), (ag["skipped"], proc.stderr[-3000:])
     for sv in ag["servers"].values():
         t1, t2 = sv["turns"]
         assert t1["ttft_ms"]["n"] == t2["ttft_ms"]["n"] == 2 and t1["ttft_ms"]["median"] > 0
@@ -577,11 +585,17 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     assert all(r["reply_tokens"] == 4 for r in ag["servers"]["mlxrt-http"]["requests"])  # ignore_eos
     assert ag["servers"]["native-engine"]["uncached"] is None  # the in-process engine has no cache-off run
     assert ag["servers"]["native-engine"]["info"]["prompt_cache_bytes"] == CAP
-    for name in set(ag["servers"]) - {"native-engine"}:
+    for name in set(ag["servers"]) - {"native-engine", variant}:
         assert ag["servers"][name]["info"]["args"] == ["--prompt-cache-bytes", str(CAP)], name
+    assert ag["servers"][variant]["info"]["args"] == ["--gather-ms=0", "--prompt-cache-bytes", str(CAP)]
+    v = ag["servers"][variant]  # its uncached reference: mlxrt-http's (the same server with its cache off)
+    assert v["uncached"] == ag["servers"]["mlxrt-http"]["uncached"] and v["uncached_from"] == "mlxrt-http"
     assert ag["same_replies_pct"]["native-engine"] == 100.0  # in-process, the same replies as the server
+    assert ag["same_replies_pct"][variant] == 100.0  # gathering changes when requests start, not their ids
+    assert doc["config"]["agent_mlxrt_args"] == [["--gather-ms=0"]]
     assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
     assert "agents: 2 agents at once x 2 turns" in proc.stdout
+    assert f"{variant} aggregate" in proc.stdout
     assert Path(doc["outputs"]["png"]).is_file()
 
 
@@ -724,7 +738,8 @@ def test_families_runs_parts_apart_and_merge_joins_them(tmp_path):
     docs = []
     for parts in ("single,streams", "agents"):
         out = tmp_path / f"{parts}.json"
-        proc = subprocess.run([*cmd, "--part", parts, "--out", str(out)], cwd=ROOT, capture_output=True,
+        ab = ["--agent-mlxrt-args=--gather-ms=0"] if parts == "agents" else []  # the agents' A/B of a flag
+        proc = subprocess.run([*cmd, "--part", parts, *ab, "--out", str(out)], cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         docs.append(json.loads(out.read_text()))
@@ -733,6 +748,9 @@ def test_families_runs_parts_apart_and_merge_joins_them(tmp_path):
     assert first["streams"]["streams"] == 16 and "not_run" in first["agents"]
     assert agent["parts"] == ["agents"] and "not_run" in agent["single"] and "not_run" in agent["streams"]
     assert agent["agents"]["mlxrt-http"]["hit_rate"] > 0
+    variant = agent["agents"]["mlxrt-http --gather-ms=0"]
+    assert variant["x_mlxrt_http"]["n"] == 1 and variant["hit_rate"] > 0  # paired with mlxrt-http's round
+    assert any(n.startswith("tiny: agents: mlxrt-http --gather-ms=0: ") for n in docs[1]["notes"])
     assert docs[1]["runs"]["tiny"]["scenarios"] == {}  # --peers named the agents' peer: no single stream ran
     merged = families.merge(docs)
     row = merged["rows"][0]
@@ -769,6 +787,12 @@ def test_families_pass_the_agents_cache_cap_only_when_given():
     assert "--prompt-cache-bytes" not in argv(capped, ["single"])
     got = argv(capped, ["agents"])
     assert got[got.index("--prompt-cache-bytes") + 1] == str(1 << 30)
+    def with_variant(parts):
+        return families.harness_argv("m", families.GPU, parts=parts, peers="none", json_path=Path("x.json"),
+                                     variants=["--gather-ms=0"])
+
+    assert "--agent-mlxrt-args=--gather-ms=0" in with_variant(["agents"])
+    assert not any(a.startswith("--agent-mlxrt-args") for a in with_variant(["single"]))
 
 
 def test_families_refuses_to_start_without_the_agent_client(monkeypatch, capsys):
