@@ -501,7 +501,10 @@ class Suite:
                 except Exception as exc:  # e.g. out of memory at 32 streams: the smaller counts stand
                     out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
                     self.say(f"skip concurrency {name}: {out['skipped'][name]}")
+                    self.release(name, s)
                     continue
+                if n == levels[-1]:
+                    self.release(name, s)
                 if name == NATIVE_BATCH:
                     self.conc_refs[n] = [r.tokens for r in runs]
                     self.conc_ref_basis[n] = NATIVE_BATCH
@@ -519,6 +522,18 @@ class Suite:
         out["reference"] = {str(n): b for n, b in self.conc_ref_basis.items()}
         out["native_batch_vs_native"] = {str(n): c for n, c in self.batch_checks.items()}
         return out
+
+    def release(self, name: str, s: Any) -> None:
+        """Stop a concurrency target's server once it has run its last stream count: a process keeps
+        the memory of its largest burst (MLX's buffer cache, its prompt cache), and the targets after
+        it would run short (a 27B model's ring worker at 16 streams left the next three out of GPU
+        memory). native-batch shares the harness's process and model with native: it stays."""
+        if name == NATIVE_BATCH:
+            return
+        key = next((k for k, v in self.live.items() if v is s), None)
+        if key is not None:
+            self.say(f"stopping {name}: its concurrency runs are done")
+            self.live.pop(key).close()
 
     def concurrency_references(self) -> None:
         """The reference ids of every concurrency stream: native-batch's at the same stream count,

@@ -457,6 +457,63 @@ def test_crossed_streams_against_native_batch_fail_the_gate():
     assert batch_crossed["mismatched"] == ["native-batch under concurrency"]
 
 
+class _CharTokenizer:
+    """Ids are characters: every text survives decode -> encode."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_concurrency_targets_stop_once_their_last_stream_count_ran():
+    """A server leaves the GPU to the next once it has run its last burst, or failed one; the
+    in-process native-batch stays (it shares the harness's model)."""
+    args = bench.parse_args(["--model", "synthetic:tiny", "--part", "concurrency", "--streams", "1,2",
+                             "--prompt-tokens", "4", "--gen-tokens", "2"])
+    suite = bench.Suite(args, bench.make_plan(args), lambda _msg: None)
+    suite.model_path, suite.tokenizer, suite.prompt = "m", _CharTokenizer(), [1, 2, 3, 4]
+    suite.prompts = [[1, 2, 3, 4]]
+    open_at: list[tuple[str, int, set[str]]] = []  # (target, streams, the targets open while it ran)
+
+    class Target:
+        def __init__(self, name, fail_at=None):
+            self.name, self.fail_at, self.closed = name, fail_at, False
+
+        def run(self, prompt, gen_tokens):
+            assert not self.closed
+            return run_of([1] * gen_tokens)
+
+        def run_batch(self, prompts, gen_tokens):
+            open_at.append((self.name, len(prompts), {k for k, v in suite.live.items() if not v.closed}))
+            if len(prompts) == self.fail_at:
+                raise RuntimeError("out of memory")
+            return [self.run(p, gen_tokens) for p in prompts]
+
+        def close(self):
+            self.closed = True
+
+    ring, http, peer, batch = Target("ring"), Target("http"), Target("peer", fail_at=1), Target("batch")
+    suite.live.update({"mlxrt-ring": ring, "mlxrt-http": http, "mlx_lm.server": peer})
+    targets = [("mlxrt-w1 (ring)", ring), ("mlxrt-http", http), ("mlx_lm.server", peer),
+               (bench.NATIVE_BATCH, batch)]
+    suite.concurrency_targets = lambda: targets
+    out = suite.concurrency()
+    assert out["skipped"] == {"mlx_lm.server": "failed at 1 streams: RuntimeError: out of memory"}
+    assert set(out["targets"]) == {"mlxrt-w1 (ring)", "mlxrt-http", bench.NATIVE_BATCH}
+    assert open_at == [
+        ("ring", 1, {"mlxrt-ring", "mlxrt-http", "mlx_lm.server"}),
+        ("http", 1, {"mlxrt-ring", "mlxrt-http", "mlx_lm.server"}),
+        ("peer", 1, {"mlxrt-ring", "mlxrt-http", "mlx_lm.server"}),
+        ("batch", 1, {"mlxrt-ring", "mlxrt-http"}),  # the peer failed: stopped at once
+        ("ring", 2, {"mlxrt-ring", "mlxrt-http"}),
+        ("http", 2, {"mlxrt-http"}),  # the ring worker is done
+        ("batch", 2, set()),
+    ]
+    assert ring.closed and http.closed and peer.closed and not batch.closed and suite.live == {}
+
+
 def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
     """A server failing a warm-up round is skipped with what it answered; the others' rounds run."""
     # mlx_lm.server answers any exception in generation with a 404 and a JSON body.
