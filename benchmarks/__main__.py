@@ -712,17 +712,25 @@ class Suite:
         checked = [n for n, s in scen.items() if s["token_checked"] and n != "native"]
         bad = [n for n in checked if not scen[n].get("tokens", {}).get("passed")]
         unchecked = []
+        streams: dict[str, dict[str, Any]] = {}  # per target and stream count: the streams that failed
         for name, levels in self.concurrency_runs.items():  # each stream must get its own prompt's tokens
             if not all(n in self.conc_refs for n in levels):
                 unchecked.append(f"{name} under concurrency")  # no reference ids (a failed part, say)
                 continue
             checked.append(f"{name} under concurrency")
-            ok = True
             for n, rs in levels.items():
                 batched = self.conc_ref_basis.get(n) == NATIVE_BATCH  # against native-batch's ids
-                for prompt, r, ref in zip(self.conc_prompts[n], rs, self.conc_refs[n], strict=True):
-                    ok = ok and self.check_tokens(prompt, r.tokens, ref, batched=batched)["ok"]
-            if not ok:
+                checks = [
+                    {"stream": i, **self.check_tokens(prompt, r.tokens, ref, batched=batched)}
+                    for i, (prompt, r, ref) in enumerate(zip(self.conc_prompts[n], rs, self.conc_refs[n],
+                                                             strict=True))
+                ]
+                worst = [c["max_deficit"] for c in checks if "max_deficit" in c]
+                streams.setdefault(name, {})[str(n)] = {
+                    "failed": [c for c in checks if not c["ok"]],
+                    "max_deficit": max(worst) if worst else None,  # teacher-forced checks only
+                }
+            if any(lv["failed"] for lv in streams[name].values()):
                 bad.append(f"{name} under concurrency")
         if self.batch_checks:  # the reference itself: native-batch's streams are native's
             checked.append(f"{NATIVE_BATCH} under concurrency")
@@ -731,8 +739,8 @@ class Suite:
         mode = self.token_gate.describe() if self.token_gate else {"mode": "identical ids"}
         if self.batch_gate is not None:
             mode["batched"] = self.batch_gate.describe()
-        return {"passed": not bad, "checked": checked, "mismatched": bad, **mode,
-                **({"unchecked": unchecked} if unchecked else {})}
+        extra = {k: v for k, v in (("unchecked", unchecked), ("streams", streams)) if v}
+        return {"passed": not bad, "checked": checked, "mismatched": bad, **mode, **extra}
 
     def document(self, conc: dict[str, Any], comp: dict[str, Any], agent: dict[str, Any]) -> dict[str, Any]:
         scen = {n: self.scenario_doc(n, rs) for n, rs in self.runs.items() if rs}

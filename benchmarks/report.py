@@ -326,6 +326,15 @@ def gate_line(doc: dict) -> str:
         line = "quality gate: token ids identical to native in " + ", ".join(gate["checked"]) + ref
     else:
         line = "quality gate: not checked (" + gate.get("why", "no baseline") + ")"
+    failed = [
+        f"{name} at {n}: {len(lv['failed'])} of {n} streams"
+        + (f", max deficit {lv['max_deficit']:.3f} logits" if lv.get("max_deficit") is not None else "")
+        for name, levels in (gate.get("streams") or {}).items()
+        for n, lv in levels.items()
+        if lv["failed"]
+    ]
+    if failed:
+        line += "; failed under concurrency: " + "; ".join(failed)
     unchecked = gate.get("unchecked")
     return line + (f"; not checked, no reference ids: {', '.join(unchecked)}" if unchecked else "")
 

@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import agents, families, measure, records  # noqa: E402
+from benchmarks import agents, families, measure, records, report  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
 from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
@@ -453,6 +453,14 @@ def test_crossed_streams_against_native_batch_fail_the_gate():
     assert good["passed"] is True and "native-batch under concurrency" in good["checked"]
     crossed = suite_with([[10, 11], [20, 21]], [[20, 21], [10, 11]])
     assert crossed["passed"] is False and crossed["mismatched"] == ["mlxrt-http under concurrency"]
+    assert crossed["streams"]["mlxrt-http"]["2"] == {  # which streams, where they parted
+        "failed": [{"stream": 0, "ok": False, "first_divergence": 0},
+                   {"stream": 1, "ok": False, "first_divergence": 0}],
+        "max_deficit": None,  # ids compared, not teacher-forced
+    }
+    assert good["streams"]["mlxrt-http"]["2"]["failed"] == []
+    line = report.gate_line({"gate": crossed})
+    assert line.endswith("; failed under concurrency: mlxrt-http at 2: 2 of 2 streams")
     batch_crossed = suite_with([[20, 21], [10, 11]], [[20, 21], [10, 11]])  # mlxrt follows a wrong reference
     assert batch_crossed["mismatched"] == ["native-batch under concurrency"]
 
