@@ -239,8 +239,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k in ("prompt_tokens", "gen_tokens", "rounds", "workers", *AGENT_FLAGS):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")  # a cache cap of 0 is not "off" everywhere
-    variants = [tuple(v) for v in args.agent_mlxrt_args]
-    if not all(variants) or len(set(variants)) < len(variants):
+    variants = [agents.variant_name(v) for v in args.agent_mlxrt_args]
+    if not all(args.agent_mlxrt_args) or len(set(variants)) < len(variants):
         p.error("--agent-mlxrt-args: each variant names serve flags to add, and differs from the others")
     return args
 
@@ -480,6 +480,7 @@ class Suite:
             except Exception as exc:
                 out["skipped"][name] = f"failed to warm up: {type(exc).__name__}: {exc}"
                 self.say(f"skip concurrency {name}: {out['skipped'][name]}")
+                self.release(name, s)
         warm = self.args.burst_warmup
         warm = (0 if backend() == "cpu" else 1) if warm is None else warm
         out["burst_warmup"] = warm
@@ -531,9 +532,13 @@ class Suite:
         if name == NATIVE_BATCH:
             return
         key = next((k for k, v in self.live.items() if v is s), None)
-        if key is not None:
-            self.say(f"stopping {name}: its concurrency runs are done")
+        if key is None:
+            return
+        self.say(f"stopping {name}: its concurrency runs are done")
+        try:
             self.live.pop(key).close()
+        except Exception as exc:  # a server that died (out of memory, say) must not stop the part
+            self.say(f"closing {name}: {type(exc).__name__}: {exc}")
 
     def concurrency_references(self) -> None:
         """The reference ids of every concurrency stream: native-batch's at the same stream count,

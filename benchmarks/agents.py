@@ -24,9 +24,10 @@ process split and the HTTP server cost; its gap to ``mlx_lm.server`` is the
 engine's.
 
 ``mlxrt-http ARGS`` (``--agent-mlxrt-args ARGS``, once per variant) is one more mlxrt serve
-started with ARGS added, in the same rounds: an A/B of a serve flag on the same workload, such as
-``--gather-ms=0`` against the default. Its uncached reference is mlxrt-http's (the same final-turn
-prompts where the replies are the same).
+started with ARGS added after the shared flags (a repeated flag is the variant's), in the same
+rounds: an A/B of a serve flag on the same workload, such as ``--gather-ms=0`` against the
+default. Its uncached reference is mlxrt-http's (the same final-turn prompts where the replies
+are the same).
 
 Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
 one to all (``--prompt-cache-bytes``, the flag of that name on both servers;
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -91,8 +93,8 @@ class Sizes:
 
 
 def variant_name(args: list[str]) -> str:
-    """The agent part's name for mlxrt serve started with `args` added."""
-    return " ".join([SERVERS[0], *args])
+    """The agent part's name for mlxrt serve started with `args` added (quoted as a shell would)."""
+    return shlex.join([SERVERS[0], *args])
 
 
 def cap_args(sizes: Sizes) -> list[str]:
@@ -476,7 +478,8 @@ def _factories(
         NATIVE: lambda extra: NativeAgents(model_path, prompt_cache_bytes=sizes.prompt_cache_bytes),
     }
     for args in variants:
-        out[variant_name(args)] = lambda extra, args=args: HttpStream(model_path, extra_args=[*args, *extra])
+        # the variant's own flags last: where one repeats a shared flag (the cache cap), the variant's wins
+        out[variant_name(args)] = lambda extra, args=args: HttpStream(model_path, extra_args=[*extra, *args])
     return out
 
 
@@ -634,13 +637,13 @@ def run_part(
     finally:
         for s in live.values():
             s.close()
-    refs: dict[str, list[Reply] | None] = {}
+    refs: dict[str, tuple[list[Reply] | None, str | None]] = {}
     for name in [n for n in servers if res.walls.get(n)]:
         if name in variant_names:  # the same server with a flag added: mlxrt-http's reference, if it has one
-            uncached, why = refs.get(SERVERS[0]), "mlxrt-http's did not run"
+            uncached, why = refs.get(SERVERS[0], (None, f"{SERVERS[0]} did not run"))
+            why = why and f"{SERVERS[0]}'s reference: {why}"
         else:
-            uncached, why = _uncached(make[name], name, res.finals[name], say)
-            refs[name] = uncached
+            uncached, why = refs[name] = _uncached(make[name], name, res.finals[name], say)
         doc = server_figures(res.replies[name], res.walls[name], sizes, uncached)
         doc["info"] = info[name]
         if name in variant_names and uncached is not None:

@@ -402,10 +402,13 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
                            " (the context was full)")
         for k, sv in (r.get("agents") or {}).items():
             if k.startswith(HTTP + " ") and isinstance(sv, dict):
-                http = r["agents"].get(HTTP) or {}
+                http = r["agents"].get(HTTP)
+                if http is None:
+                    out.append(f"{name}: agents: {k}: no {HTTP} figures to compare with")
+                    continue
                 out.append(f"{name}: agents: {k}: {_ratio(sv.get('x_mlxrt_http'))}x {HTTP}'s tok/s"
                            f" ({_f(sv['aggregate_tps'].get('median'), '.1f')} / "
-                           f"{_f((http.get('aggregate_tps') or {}).get('median'), '.1f')}), later-turn TTFT"
+                           f"{_f(http['aggregate_tps'].get('median'), '.1f')}), later-turn TTFT"
                            f" {_pair(sv['later_turn_ttft_ms'], http.get('later_turn_ttft_ms'))} ms, hit rate"
                            f" {_pct(sv['hit_rate'])} / {_pct(http.get('hit_rate'))}")
         if r.get("listen_overflows"):

@@ -189,6 +189,9 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
     for bad in (["--agent-mlxrt-args="], ["--agent-mlxrt-args=-x 1", "--agent-mlxrt-args=-x  1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)  # no flags, or the same variant twice
+    quoted = bench.parse_args(["--agent-mlxrt-args=-x '1 2'", "--agent-mlxrt-args=-x 1 2"]).agent_mlxrt_args
+    names = [agents.variant_name(v) for v in quoted]  # two servers, two names
+    assert names == ["mlxrt-http -x '1 2'", "mlxrt-http -x 1 2"]
 
 
 def test_unreachable_ollama_is_skipped_with_the_reason(monkeypatch):
@@ -486,11 +489,14 @@ def test_concurrency_targets_stop_once_their_last_stream_count_ran():
     open_at: list[tuple[str, int, set[str]]] = []  # (target, streams, the targets open while it ran)
 
     class Target:
-        def __init__(self, name, fail_at=None):
+        def __init__(self, name, fail_at=None, warm_fails=False, close_fails=False):
             self.name, self.fail_at, self.closed = name, fail_at, False
+            self.warm_fails, self.close_fails = warm_fails, close_fails
 
         def run(self, prompt, gen_tokens):
             assert not self.closed
+            if self.warm_fails:
+                raise RuntimeError("out of memory")
             return run_of([1] * gen_tokens)
 
         def run_batch(self, prompts, gen_tokens):
@@ -501,14 +507,19 @@ def test_concurrency_targets_stop_once_their_last_stream_count_ran():
 
         def close(self):
             self.closed = True
+            if self.close_fails:
+                raise RuntimeError("the worker is gone")
 
-    ring, http, peer, batch = Target("ring"), Target("http"), Target("peer", fail_at=1), Target("batch")
-    suite.live.update({"mlxrt-ring": ring, "mlxrt-http": http, "mlx_lm.server": peer})
-    targets = [("mlxrt-w1 (ring)", ring), ("mlxrt-http", http), ("mlx_lm.server", peer),
+    ring, http, peer, batch = Target("ring"), Target("http"), Target("peer", fail_at=1, close_fails=True), \
+        Target("batch")
+    cold = Target("cold", warm_fails=True)  # fails its warm-up: stopped before any burst
+    suite.live.update({"mlxrt-ring": ring, "mlxrt-w2": cold, "mlxrt-http": http, "mlx_lm.server": peer})
+    targets = [("mlxrt-w1 (ring)", ring), ("mlxrt-w2", cold), ("mlxrt-http", http), ("mlx_lm.server", peer),
                (bench.NATIVE_BATCH, batch)]
     suite.concurrency_targets = lambda: targets
-    out = suite.concurrency()
-    assert out["skipped"] == {"mlx_lm.server": "failed at 1 streams: RuntimeError: out of memory"}
+    out = suite.concurrency()  # the peer's close raising stops nothing
+    assert out["skipped"] == {"mlxrt-w2": "failed to warm up: RuntimeError: out of memory",
+                              "mlx_lm.server": "failed at 1 streams: RuntimeError: out of memory"}
     assert set(out["targets"]) == {"mlxrt-w1 (ring)", "mlxrt-http", bench.NATIVE_BATCH}
     assert open_at == [
         ("ring", 1, {"mlxrt-ring", "mlxrt-http", "mlx_lm.server"}),
@@ -519,7 +530,7 @@ def test_concurrency_targets_stop_once_their_last_stream_count_ran():
         ("http", 2, {"mlxrt-http"}),  # the ring worker is done
         ("batch", 2, set()),
     ]
-    assert ring.closed and http.closed and peer.closed and not batch.closed and suite.live == {}
+    assert all(t.closed for t in (ring, cold, http, peer)) and not batch.closed and suite.live == {}
 
 
 def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
@@ -652,7 +663,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     assert ag["servers"]["native-engine"]["info"]["prompt_cache_bytes"] == CAP
     for name in set(ag["servers"]) - {"native-engine", variant}:
         assert ag["servers"][name]["info"]["args"] == ["--prompt-cache-bytes", str(CAP)], name
-    assert ag["servers"][variant]["info"]["args"] == ["--gather-ms=0", "--prompt-cache-bytes", str(CAP)]
+    assert ag["servers"][variant]["info"]["args"] == ["--prompt-cache-bytes", str(CAP), "--gather-ms=0"]
     v = ag["servers"][variant]  # its uncached reference: mlxrt-http's (the same server with its cache off)
     assert v["uncached"] == ag["servers"]["mlxrt-http"]["uncached"] and v["uncached_from"] == "mlxrt-http"
     assert ag["same_replies_pct"]["native-engine"] == 100.0  # in-process, the same replies as the server
@@ -858,6 +869,9 @@ def test_families_pass_the_agents_cache_cap_only_when_given():
 
     assert "--agent-mlxrt-args=--gather-ms=0" in with_variant(["agents"])
     assert not any(a.startswith("--agent-mlxrt-args") for a in with_variant(["single"]))
+    v = "mlxrt-http --gather-ms=0"  # a variant whose mlxrt-http failed: nothing to compare with
+    alone = {"preset": "p", "exit": 0, "status": "ok", "agents": {v: {"hit_rate": 0.5}}}
+    assert families.notes([alone]) == [f"p: agents: {v}: no mlxrt-http figures to compare with"]
 
 
 def test_families_refuses_to_start_without_the_agent_client(monkeypatch, capsys):
