@@ -12,6 +12,7 @@ import pytest
 from conftest import TRANSPORTS, assert_stopped
 from mlxrt import RequestError, Runtime, WorkerDied
 from mlxrt.ipc.protocol import EngineOptions
+from mlxrt.worker.limits import auto_prompt_cache_bytes
 
 SYSTEM = "You are a patient assistant who explains the tides, the wind and the stars. " * 5
 REQUESTS = [
@@ -62,6 +63,8 @@ def test_chat_turns_reuse_the_prefix_with_unchanged_ids(rt, tiny_model):
             msgs.append({"role": "assistant", "content": warm_c.text})
     (m,) = rt.memory()
     assert m.prompt_cache_bytes > 0 and m.prompt_cache_hits >= 2
+    cap = rt.model_options().prompt_cache_bytes  # None: auto, this lone worker's whole share
+    assert m.prompt_cache_cap_bytes == (auto_prompt_cache_bytes() if cap is None else cap)
 
 
 def test_cancel_one_stream_inside_a_batch(rt):

@@ -126,6 +126,21 @@ def test_each_model_runs_with_its_own_options(tiny_model):
         assert rt.generate("Hello", model="plain", ignore_eos=True, max_tokens=7).stats.generation_tokens == 7
 
 
+def test_workers_on_auto_split_the_prompt_cache_cap(tiny_model, monkeypatch):
+    """The workers that leave the prompt cache cap on auto split the machine's share between them; a
+    model with a cap of its own keeps it and takes no part of the share."""
+    from mlxrt.worker.limits import auto_prompt_cache_bytes
+
+    monkeypatch.delenv("MLXRT_PROMPT_CACHE_BYTES", raising=False)
+    models = {"auto": tiny_model, "own": ModelSpec(tiny_model, prompt_cache_bytes=12345678)}
+    with Runtime(models=models, workers=2, transport="stdio") as rt:
+        model_of = {w.name: w.model for w in rt.workers}
+        caps = sorted((model_of[m.name], m.prompt_cache_cap_bytes) for m in rt.memory())
+    half = auto_prompt_cache_bytes(2)  # two auto workers: half the machine's share each
+    assert half == auto_prompt_cache_bytes() // 2
+    assert caps == [("auto", half), ("auto", half), ("own", 12345678), ("own", 12345678)]
+
+
 def test_serve_flags_become_one_options_record():
     """`mlxrt serve` takes mlx_lm.server's flag names and turns them into one EngineOptions."""
     from mlxrt.cli import _engine_options

@@ -20,7 +20,9 @@ import msgspec
 
 from .ring import RingSpec
 
-PROTOCOL_VERSION = 4  # 4: EngineOptions.gather_ms; 3: EngineOptions.prompt_cache_bytes may be None
+#: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
+#: 3: EngineOptions.prompt_cache_bytes may be None
+PROTOCOL_VERSION = 5
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -209,7 +211,9 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 #: The prefix cache's byte cap when none is given ("auto"): this share of the memory MLX may use
 #: (`worker.limits.auto_prompt_cache_bytes`), within these bounds. 1 GiB is a 16 GB laptop's share
 #: (~18k tokens of a 7B model's KV); an H200 machine's is 16-18 GiB, room for 8 agents' 4k-token chats
-#: on an 8B.
+#: on an 8B. The workers of one orchestrator that leave the cap on auto share it (`Hello.prompt_cache_share`):
+#: four 8B servers with a share each ran an H200 out of memory
+#: (docs/benchmarks/gpu-h200-families.md#fourth-session-the-gather-ab-and-qwen35-27b).
 AUTO_PROMPT_CACHE_SHARE = 8
 MIN_AUTO_PROMPT_CACHE_BYTES = 1 << 30
 MAX_AUTO_PROMPT_CACHE_BYTES = 64 << 30
@@ -423,6 +427,9 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
     engine: EngineOptions | None = None
     #: Set when this process is one rank of a worker group.
     group: GroupRank | None = None
+    #: How many of the orchestrator's workers share the auto prompt cache cap (those whose model leaves
+    #: `EngineOptions.prompt_cache_bytes` at None): each takes this fraction of it.
+    prompt_cache_share: int = 1
 
 
 class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
@@ -642,6 +649,8 @@ class EngineReport(msgspec.Struct, kw_only=True):
     queued: int = 0
     batch_size: int = 0
     prompt_cache_bytes: int = 0
+    #: The prefix cache's byte cap in effect (the option's, or auto's share); 0: off, or no prefix cache.
+    prompt_cache_cap_bytes: int = 0
     prompt_cache_entries: int = 0
     prompt_cache_hits: int = 0
     prompt_cache_misses: int = 0

@@ -140,7 +140,7 @@ class GroupHandle(WorkerHandle):
             t.start()
         hello = Hello(protocol=PROTOCOL_VERSION, model=self.model, worker_id=name, transport="stdio",
                       warmup_tokens=warmup_tokens, cache_limit_bytes=cache_limit_bytes, engine=self.engine,
-                      group=self._rank_spec(spec))
+                      group=self._rank_spec(spec), prompt_cache_share=self.prompt_cache_share)
         try:
             rank.tx.send(self._codec.encode(hello), timeout=self._timeouts.send_s)
         except (ChannelClosed, TimeoutError):

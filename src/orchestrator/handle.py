@@ -96,12 +96,14 @@ class WorkerMemory:
     peak_bytes: int
     cache_bytes: int
     rss_bytes: int
-    #: The worker's prefix cache: bytes held, entries, lookups that hit and missed, tokens served.
+    #: The worker's prefix cache: bytes held, entries, lookups that hit and missed, tokens served,
+    #: and its byte cap (the option's, or the worker's share of auto; 0: off).
     prompt_cache_bytes: int = 0
     prompt_cache_entries: int = 0
     prompt_cache_hits: int = 0
     prompt_cache_misses: int = 0
     cached_tokens: int = 0
+    prompt_cache_cap_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,9 +166,12 @@ class WorkerHandle:
         engine: EngineOptions | None = None,
         argv: list[str] | None = None,
         on_exit: ExitCallback = _fail_all,
+        prompt_cache_share: int = 1,
     ) -> None:
         self.model = model
         self.engine = engine or EngineOptions()
+        #: How many workers split the auto prompt cache cap (`Hello.prompt_cache_share`).
+        self.prompt_cache_share = prompt_cache_share
         self._argv = argv or [sys.executable, "-m", "mlxrt.worker"]
         self._on_exit = on_exit
         self.model_name = model_name
@@ -209,6 +214,7 @@ class WorkerHandle:
             warmup_tokens=warmup_tokens,
             cache_limit_bytes=cache_limit_bytes,
             engine=self.engine,
+            prompt_cache_share=self.prompt_cache_share,
             **self._hello_extra(),
         )
         pass_fds: tuple[int, ...] = ()

@@ -212,6 +212,9 @@ class Pool:
             targets[name], self.options[name] = prepare(name, as_spec(model), self.engine)
         self.slots: dict[str, list[Slot]] = {}
         self.spares: dict[str, list[Slot]] = {}
+        # The workers that leave the prompt cache cap on auto split it: together they stay within the
+        # machine's share (a spare takes a dead worker's place, so it counts as that one).
+        share = workers * sum(o.prompt_cache_bytes is None for o in self.options.values())
         for name, target in targets.items():
             plan = plans.get(name)
             handle = WorkerHandle if plan is None else functools.partial(GroupHandle, plan=plan)
@@ -225,6 +228,7 @@ class Pool:
                 cache_limit_bytes=cache_limit_bytes,
                 engine=self.options[name],
                 argv=worker_argv,
+                prompt_cache_share=max(1, share),
             )
             make = functools.partial(
                 Slot, name, lambda on_exit, spawn=spawn: spawn(on_exit=on_exit), supervision,

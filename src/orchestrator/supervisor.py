@@ -459,7 +459,7 @@ class Slot:
             h.name, h.pid, m.active_bytes, m.peak_bytes, m.cache_bytes, m.rss_bytes,
             prompt_cache_bytes=e.prompt_cache_bytes, prompt_cache_entries=e.prompt_cache_entries,
             prompt_cache_hits=e.prompt_cache_hits, prompt_cache_misses=e.prompt_cache_misses,
-            cached_tokens=e.cached_tokens_total,
+            cached_tokens=e.cached_tokens_total, prompt_cache_cap_bytes=e.prompt_cache_cap_bytes,
         )
 
     def close(self, drain_s: float = 0.0) -> None:

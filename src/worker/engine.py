@@ -149,8 +149,10 @@ class Engine:
         cache_limit_bytes: int | None = None,
         options: EngineOptions | None = None,
         group=None,
+        prompt_cache_share: int = 1,
     ) -> None:
-        """`group`: this process's rank of a worker group (`group.Group`), or None."""
+        """`group`: this process's rank of a worker group (`group.Group`), or None;
+        `prompt_cache_share`: how many workers split the auto prompt cache cap (`Hello`'s)."""
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
             mx.set_cache_limit(cache_limit_bytes)
@@ -187,8 +189,8 @@ class Engine:
             check_quantizable(self.model, self.kv)
         self.draft = None if o.draft_model is None else self._load_draft(o.draft_model, o.num_draft_tokens,
                                                                          o.draft_policy)
-        #: The prefix cache's byte cap: the options', or sized from this machine's memory.
-        self.prompt_cache_bytes = (auto_prompt_cache_bytes() if o.prompt_cache_bytes is None
+        #: The prefix cache's byte cap: the options', or this worker's share of the machine's memory.
+        self.prompt_cache_bytes = (auto_prompt_cache_bytes(prompt_cache_share) if o.prompt_cache_bytes is None
                                    else o.prompt_cache_bytes)
         self.prefix_cache = self._new_prefix_cache()
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed

@@ -80,13 +80,14 @@ def prefill_steps(o: EngineOptions, cap: int | None, model: str) -> PrefillSteps
     return steps
 
 
-def auto_prompt_cache_bytes() -> int:
+def auto_prompt_cache_bytes(share: int = 1) -> int:
     """The prefix cache's byte cap when none is given: an eighth of the memory MLX may use here
-    (Metal's recommended working set, a GPU's memory, else the machine's RAM), 1-64 GiB."""
+    (Metal's recommended working set, a GPU's memory, else the machine's RAM), 1-64 GiB, split
+    evenly between the `share` workers that leave their cap on auto (one orchestrator's)."""
     import psutil
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     memory = next((int(info[k]) for k in MEMORY_KEYS if isinstance(info.get(k), int) and info[k] > 0), 0)
     memory = memory or psutil.virtual_memory().total
-    share = min(memory // AUTO_PROMPT_CACHE_SHARE, MAX_AUTO_PROMPT_CACHE_BYTES)
-    return max(MIN_AUTO_PROMPT_CACHE_BYTES, share)
+    total = min(memory // AUTO_PROMPT_CACHE_SHARE, MAX_AUTO_PROMPT_CACHE_BYTES)
+    return max(MIN_AUTO_PROMPT_CACHE_BYTES, total) // max(1, share)

@@ -492,7 +492,7 @@ def main() -> None:
         spec = embedding_spec(path)  # an embedding model's worker embeds and never generates
         if spec is None:
             engine = Engine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine,
-                            group=group)
+                            group=group, prompt_cache_share=hello.prompt_cache_share)
         elif group is not None:
             raise ValueError("an embedding model runs in one process, not in a group (ranks=1)")
         else:

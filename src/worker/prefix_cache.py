@@ -109,6 +109,7 @@ class PrefixCache:
 
     def report(self, report: EngineReport) -> EngineReport:
         report.prompt_cache_bytes = self.nbytes
+        report.prompt_cache_cap_bytes = self.max_bytes
         report.prompt_cache_entries = len(self)
         report.prompt_cache_hits = self.hits
         report.prompt_cache_misses = self.misses
