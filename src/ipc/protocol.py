@@ -211,9 +211,9 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 #: The prefix cache's byte cap when none is given ("auto"): this share of the memory MLX may use
 #: (`worker.limits.auto_prompt_cache_bytes`), within these bounds. 1 GiB is a 16 GB laptop's share
 #: (~18k tokens of a 7B model's KV); an H200 machine's is 16-18 GiB, room for 8 agents' 4k-token chats
-#: on an 8B. The workers of one orchestrator that leave the cap on auto share it (`Hello.prompt_cache_share`):
-#: four 8B servers with a share each ran an H200 out of memory
-#: (docs/benchmarks/gpu-h200-families.md#fourth-session-the-gather-ab-and-qwen35-27b).
+#: on an 8B. The workers of one orchestrator that leave the cap on auto split it (`Hello.prompt_cache_share`);
+#: separate servers do not know of each other (four 8B servers, an eighth each, ran an H200 out of memory:
+#: docs/benchmarks/gpu-h200-families.md#fourth-session-the-gather-ab-and-qwen35-27b).
 AUTO_PROMPT_CACHE_SHARE = 8
 MIN_AUTO_PROMPT_CACHE_BYTES = 1 << 30
 MAX_AUTO_PROMPT_CACHE_BYTES = 64 << 30
