@@ -532,12 +532,15 @@ class Suite:
         if name == NATIVE_BATCH:
             return
         key = next((k for k, v in self.live.items() if v is s), None)
-        if key is None:
-            return
-        self.say(f"stopping {name}: its concurrency runs are done")
+        if key is not None:
+            self.say(f"stopping {name}: its concurrency runs are done")
+            self._stop(key, name)
+
+    def _stop(self, key: str, name: str) -> None:
+        """Close the live server `key`; one that fails to close (it died, say) is reported, not raised."""
         try:
             self.live.pop(key).close()
-        except Exception as exc:  # a server that died (out of memory, say) must not stop the part
+        except Exception as exc:
             self.say(f"closing {name}: {type(exc).__name__}: {exc}")
 
     def concurrency_references(self) -> None:
@@ -632,12 +635,8 @@ class Suite:
         return out
 
     def close(self) -> None:
-        for name, s in list(self.live.items()):
-            try:
-                s.close()
-            except Exception as exc:  # closing one must not leak the others
-                self.say(f"closing {name}: {type(exc).__name__}: {exc}")
-        self.live.clear()
+        for name in list(self.live):  # one failing to close must not leak the others
+            self._stop(name, name)
 
     # -- results --
     def scenario_doc(self, name: str, rs: list[Run]) -> dict[str, Any]:
