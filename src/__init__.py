@@ -9,6 +9,7 @@ from .ipc.protocol import EngineOptions, Grammar, SamplingParams, Stats, ToolCal
 from .orchestrator.config import Supervision, Timeouts
 from .orchestrator.errors import (
     ChannelError,
+    InvalidField,
     MemoryPressureError,
     MlxrtError,
     MlxrtTimeout,
@@ -21,6 +22,7 @@ from .orchestrator.errors import (
 from .orchestrator.handle import RankInfo, WorkerInfo, WorkerMemory
 from .orchestrator.launch import Group
 from .orchestrator.options import ModelSpec
+from .orchestrator.request import Request
 from .orchestrator.runtime import AsyncRuntime, AsyncStream, Chunk, Completion, Runtime, Stream
 
 __version__ = "0.1.0"
@@ -32,6 +34,8 @@ __all__ = [
     "AsyncRuntime",
     "AsyncStream",
     "ChannelError",
+    "InvalidField",
+    "Request",
     "MemoryPressureError",
     "Chunk",
     "Completion",

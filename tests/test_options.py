@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import msgspec
 import pytest
 from mlxrt import ModelLoadError, ModelSpec, Runtime
 from mlxrt.cli import build_parser
 from mlxrt.ipc.protocol import EngineOptions
-from mlxrt.orchestrator.http.ollama import ollama_params
-from mlxrt.orchestrator.http.openai import sampling_params
-from mlxrt.orchestrator.http.schemas import ChatCompletionRequest, OllamaOptions
+from mlxrt.orchestrator.http.schemas import ChatCompletionRequest
 
 
 @pytest.fixture(scope="module")
@@ -190,24 +189,29 @@ def test_serve_help_lists_the_options(capsys):
 
 
 def test_model_defaults_fill_what_a_request_leaves_out():
-    """The APIs' sampling: the request's value, else the model's default, else the API's own."""
-    defaults = {"temperature": 0.2, "top_k": 5, "max_tokens": 9}
-    req = ChatCompletionRequest(model="m", messages=[], top_k=3)
-    p = sampling_params(req, None, 1 << 30, defaults)
-    assert (p["temperature"], p["top_k"], p["max_tokens"]) == (0.2, 3, 9)
-    assert sampling_params(req, None, 16, {})["temperature"] == 1.0
-    o = ollama_params(OllamaOptions(temperature=0.5), defaults)
-    assert (o["temperature"], o["top_k"], o["max_tokens"], o["top_p"]) == (0.5, 5, 9, 0.9)
-    from mlxrt.orchestrator.http import anthropic, responses
+    """The APIs' requests: the request's value, else the model's default, else the API's own."""
+    from mlxrt.orchestrator.http import anthropic, ollama, openai, responses
     from mlxrt.orchestrator.http.anthropic_schemas import MessagesRequest
     from mlxrt.orchestrator.http.responses_schemas import ResponsesRequest
+    from mlxrt.orchestrator.http.schemas import OllamaChatRequest
 
-    m = anthropic.sampling_params(MessagesRequest(model="m", messages=[], max_tokens=7), defaults)
-    assert (m["temperature"], m["max_tokens"]) == (0.2, 7)  # Messages requires max_tokens
-    r = responses.sampling_params(ResponsesRequest(model="m", input="hi"), defaults)
-    assert (r["temperature"], r["max_tokens"]) == (0.2, 9)
-    r = responses.sampling_params(ResponsesRequest(model="m", input="hi", temperature=0.0), defaults)
-    assert r["temperature"] == 0.0
+    defaults = {"temperature": 0.2, "top_k": 5, "max_tokens": 9}
+    hi = [{"role": "user", "content": "hi"}]
+    req = msgspec.convert({"model": "m", "messages": hi, "top_k": 3}, ChatCompletionRequest)
+    p = openai.chat_request(req, "m", defaults).params
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.2, 3, 9)
+    assert openai.chat_request(req, "m", {}).params.temperature == 1.0
+    chat = msgspec.convert({"model": "m", "messages": hi, "options": {"temperature": 0.5}}, OllamaChatRequest)
+    o = ollama.chat_request(chat, "m", defaults, None).params
+    assert (o.temperature, o.top_k, o.max_tokens, o.top_p) == (0.5, 5, 9, 0.9)
+    msgs = msgspec.convert({"model": "m", "messages": hi, "max_tokens": 7}, MessagesRequest)
+    m = anthropic.messages_request(msgs, "m", defaults).params
+    assert (m.temperature, m.max_tokens) == (0.2, 7)  # Messages requires max_tokens
+    r = responses.responses_request(ResponsesRequest(model="m", input="hi"), hi, "m", defaults).params
+    assert (r.temperature, r.max_tokens) == (0.2, 9)
+    r = responses.responses_request(ResponsesRequest(model="m", input="hi", temperature=0.0), hi, "m",
+                                    defaults).params
+    assert r.temperature == 0.0
 
 
 def test_synthetic_variant_references_parse():

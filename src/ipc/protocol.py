@@ -22,7 +22,7 @@ from .ring import RingSpec
 
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -200,9 +200,43 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self
 
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise `InvalidField` for a top_k or stop token id beyond a model of `vocab_size` ids (0: unknown,
+        unchecked). mlx-lm's top-k sampler takes k in (0, vocab_size)."""
+        if not vocab_size:
+            return
+        if self.top_k >= vocab_size:
+            raise InvalidField("top_k", f"={self.top_k}: must be < the model's vocabulary size, {vocab_size} "
+                                        "(0 disables)")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidField("stop_token_ids", f": ids outside the model's vocabulary [0, {vocab_size}): "
+                                                 f"{bad[:5]}")
+
+
+class InvalidField(ValueError):
+    """A request's field has a bad value: the field travels as data (`field`), never inside a string to
+    parse. The message reads ``invalid <field><detail>``; an API renames the field with `named`.
+
+    `code` says what kind of refusal it is where an API reports one (``unsupported`` for a capability
+    the model lacks, with `capability` naming it).
+    """
+
+    def __init__(self, field: str, detail: str, *, code: str | None = None, capability: str = "") -> None:
+        super().__init__(f"invalid {field}{detail}")
+        self.field = field
+        self.detail = detail
+        self.code = code
+        self.capability = capability
+
+    def named(self, name: str) -> str:
+        """The message with the field called `name` (the API's own spelling of it)."""
+        return f"invalid {name}{self.detail}"
+
+
 def _check(ok: bool, field: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"invalid {field}={value!r}: {rule}")
+        raise InvalidField(field, f"={value!r}: {rule}")
 
 
 DEFAULT_DECODE_CONCURRENCY = 16
@@ -617,6 +651,11 @@ class Embeddings(msgspec.Struct, tag="emb", array_like=True, kw_only=True):
     stats: Stats
 
 
+#: `Failed.kind`: the request's own fault (a bad field, a template that refuses it), a prompt beyond the
+#: context, or anything else (a bug: the request was fine).
+FAILURE_KINDS = ("invalid", "too_long", "internal")
+
+
 class Failed(msgspec.Struct, tag="err", array_like=True, kw_only=True):
     """One request failed; the worker lives on."""
 
@@ -624,6 +663,10 @@ class Failed(msgspec.Struct, tag="err", array_like=True, kw_only=True):
     error_type: str
     message: str
     traceback: str = ""
+    #: One of `FAILURE_KINDS`, as the worker classed the exception by its type.
+    kind: str = "internal"
+    #: The request field at fault (``top_k``, ``messages``, ``prompt``), where one is.
+    field: str | None = None
 
 
 class Fatal(msgspec.Struct, tag="fatal", array_like=True, kw_only=True):

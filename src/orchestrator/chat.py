@@ -23,6 +23,7 @@ from ..ipc.protocol import (
     ChatMessage,
     ChatOptions,
     Grammar,
+    InvalidField,
     ToolCall,
 )
 from .structured import grammar_problem
@@ -41,7 +42,7 @@ def chat_options(tools: Any = None, tool_choice: Any = None, think: Think = None
     (its ``reasoning_effort``, thinking on), or None (the template's default).
     """
     if tools is not None and not isinstance(tools, list):
-        raise ValueError(f"invalid tools={tools!r}: a list of function tools")
+        raise InvalidField("tools", f"={tools!r}: a list of function tools")
     tools = [_builtins(t) for t in tools or []]
     choice, name = _tool_choice(tool_choice)
     if choice == "none":
@@ -64,8 +65,8 @@ def _check_parameters(opts: ChatOptions) -> None:
             continue
         problem = grammar_problem(Grammar(kind="json_schema", source=json.dumps(params)))
         if problem:
-            raise ValueError(f"invalid tools[{i}].function.parameters: {problem} (tool_choice "
-                             f"{opts.tool_choice!r} enforces it)")
+            raise InvalidField(f"tools[{i}].function.parameters", f": {problem} (tool_choice "
+                                                                  f"{opts.tool_choice!r} enforces it)")
 
 
 def _builtins(obj: Any) -> Any:
@@ -77,13 +78,13 @@ def _tool_choice(value: Any) -> tuple[str, str]:
         return "auto", ""
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
-            raise ValueError(f'invalid tool_choice={value!r}: "none", "auto", "required" or a function')
+            raise InvalidField("tool_choice", f'={value!r}: "none", "auto", "required" or a function')
         return value, ""
     value = _builtins(value)
     fn = value.get("function") if isinstance(value, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
-        raise ValueError(f"invalid tool_choice.function.name={name!r}: required, the function to call")
+        raise InvalidField("tool_choice.function.name", f"={name!r}: required, the function to call")
     return "function", name
 
 
@@ -92,7 +93,7 @@ def _think(think: Think) -> tuple[bool | None, str | None]:
         return think, None
     if think in REASONING_EFFORTS:
         return True, str(think)
-    raise ValueError(f"invalid think={think!r}: true, false, or one of {list(REASONING_EFFORTS)}")
+    raise InvalidField("think", f"={think!r}: true, false, or one of {list(REASONING_EFFORTS)}")
 
 
 def missing_capability(caps: Capabilities | None, *, thinking: bool, tools: bool,
@@ -126,7 +127,7 @@ def chat_messages(messages: Sequence[Any]) -> list[ChatMessage]:
             out.append(m)
             continue
         if not isinstance(m, Mapping):
-            raise ValueError(f"invalid messages[{i}]: expected an object with role and content")
+            raise InvalidField(f"messages[{i}]", ": expected an object with role and content")
         msg = _message(i, m)
         for c in msg.tool_calls:
             if c.id:
@@ -140,11 +141,11 @@ def chat_messages(messages: Sequence[Any]) -> list[ChatMessage]:
 def _message(i: int, m: Mapping) -> ChatMessage:
     role, content = m.get("role"), m.get("content")
     if not isinstance(role, str) or not role:
-        raise ValueError(f"invalid messages[{i}].role={role!r}: required, a string")
+        raise InvalidField(f"messages[{i}].role", f"={role!r}: required, a string")
     if content is None:
         content = ""
     if not isinstance(content, str):
-        raise ValueError(f"invalid messages[{i}].content: expected a string")
+        raise InvalidField(f"messages[{i}].content", ": expected a string")
     calls = [_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m.get("tool_calls") or [])]
     reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking") if m.get(k)), None)
     name = m.get("name") or m.get("tool_name")
@@ -157,7 +158,7 @@ def _message(i: int, m: Mapping) -> ChatMessage:
 def _text(field: str, value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
-    raise ValueError(f"invalid {field}={value!r}: expected a string")
+    raise InvalidField(field, f"={value!r}: expected a string")
 
 
 def _call(field: str, call: Any) -> ToolCall:
@@ -165,11 +166,11 @@ def _call(field: str, call: Any) -> ToolCall:
         return call
     call = _builtins(call)
     if not isinstance(call, Mapping):
-        raise ValueError(f"invalid {field}: expected an object")
+        raise InvalidField(field, ": expected an object")
     fn = call.get("function", call)  # OpenAI and Ollama nest the function; a flat call is taken too
     name = fn.get("name") if isinstance(fn, Mapping) else None
     if not isinstance(name, str) or not name:
-        raise ValueError(f"invalid {field}.function.name={name!r}: required, a non-empty string")
+        raise InvalidField(f"{field}.function.name", f"={name!r}: required, a non-empty string")
     args = fn.get("arguments")
     if args is None:
         args = "{}"

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..ipc.protocol import Done, Embed, Embeddings, Failed, Ready, Stats
+from ..ipc.protocol import Done, Embed, Embeddings, Failed, InvalidField, Ready, Stats
 from .errors import MlxrtError, MlxrtTimeout, RequestError
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .runtime import Pool
+    from .pool import Pool
 
 #: Most inputs in one request (OpenAI's limit).
 MAX_INPUTS = 2048
@@ -55,25 +55,25 @@ def embed_inputs(inputs: Any) -> tuple[list[str | list[int]], bool]:
     elif isinstance(inputs, Sequence) and not isinstance(inputs, (bytes, bytearray)):
         items, single = list(inputs), False
     else:
-        raise ValueError(f"invalid input={inputs!r:.60}: a string, list of strings, list of token ids or "
-                         "list of token-id lists")
+        raise InvalidField("input", f"={inputs!r:.60}: a string, list of strings, list of token ids or "
+                                    "list of token-id lists")
     if not items:
-        raise ValueError("invalid input: an empty list; give at least one input")
+        raise InvalidField("input", ": an empty list; give at least one input")
     if len(items) > MAX_INPUTS:
-        raise ValueError(f"invalid input: {len(items)} inputs; at most {MAX_INPUTS} per request")
+        raise InvalidField("input", f": {len(items)} inputs; at most {MAX_INPUTS} per request")
     out: list[str | list[int]] = []
     for i, item in enumerate(items):
         name = "input" if single else f"input[{i}]"
         if isinstance(item, str):
             if not item:
-                raise ValueError(f"invalid {name}: an empty string")
+                raise InvalidField(name, ": an empty string")
             out.append(item)
         elif isinstance(item, Sequence) and item and all(map(_is_id, item)):
             if min(item) < 0:
-                raise ValueError(f"invalid {name}: token ids must be >= 0")
+                raise InvalidField(name, ": token ids must be >= 0")
             out.append(list(item))
         else:
-            raise ValueError(f"invalid {name}={item!r:.60}: a non-empty string or list of token ids")
+            raise InvalidField(name, f"={item!r:.60}: a non-empty string or list of token ids")
     return out, single
 
 
@@ -86,8 +86,8 @@ class InputTokenizer:
 
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"invalid input: the model at {directory} has no tokenizer.json to tokenize "
-                             "text with; send token ids")
+            raise InvalidField("input", f": the model at {directory} has no tokenizer.json to tokenize "
+                                        "text with; send token ids")
         self._tok = Tokenizer.from_file(str(path))
         self._tok.no_truncation()
         self._tok.no_padding()
@@ -114,7 +114,7 @@ def input_tokenizer(directory: str) -> InputTokenizer:
     return InputTokenizer(directory)
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(InvalidField):
     """An input is longer than the model's context (and was not to be cut)."""
 
 
@@ -133,12 +133,11 @@ def prepare(req_id: int, inputs: Any, ready: Ready | None, name: str, *, dimensi
     `ValueError` naming the field (``input[2]``, ``dimensions``, ``model``) when they do not fit."""
     caps = ready.capabilities if ready is not None else None
     if ready is None or caps is None or not caps.embedding:
-        raise ValueError(f"invalid model: {name!r} is not an embedding model" if ready is not None else
-                         f"invalid model: no worker of {name!r} has been ready yet, so whether it embeds "
-                         "is unknown")
+        raise InvalidField("model", f": {name!r} is not an embedding model" if ready is not None else
+                           f": no worker of {name!r} has been ready yet, so whether it embeds is unknown")
     if dimensions is not None and (not _is_id(dimensions) or not 1 <= dimensions <= caps.embedding_dim):
-        raise ValueError(f"invalid dimensions={dimensions!r}: must be in [1, {caps.embedding_dim}] "
-                         f"(model {name!r} makes vectors of {caps.embedding_dim})")
+        raise InvalidField("dimensions", f"={dimensions!r}: must be in [1, {caps.embedding_dim}] "
+                                         f"(model {name!r} makes vectors of {caps.embedding_dim})")
     items, single = embed_inputs(inputs)
     limit = ready.context_length
     texts = [(i, x) for i, x in enumerate(items) if isinstance(x, str)]
@@ -153,12 +152,13 @@ def prepare(req_id: int, inputs: Any, ready: Ready | None, name: str, *, dimensi
             ids = ids[:limit]
         if len(ids) > limit:
             field = "input" if single else f"input[{i}]"
-            raise ContextLengthError(f"invalid {field}: {len(ids)} tokens; the model's context is {limit} "
-                                     "tokens (max_position_embeddings)")
+            raise ContextLengthError(field, f": {len(ids)} tokens; the model's context is {limit} "
+                                            "tokens (max_position_embeddings)")
         if ready.vocab_size and max(ids) >= ready.vocab_size:
             field = "input" if single else f"input[{i}]"
-            raise ValueError(f"invalid {field}: token ids outside the model's vocabulary "
-                             f"[0, {ready.vocab_size}): {[t for t in ids if t >= ready.vocab_size][:5]}")
+            bad = [t for t in ids if t >= ready.vocab_size][:5]
+            raise InvalidField(field, f": token ids outside the model's vocabulary "
+                                      f"[0, {ready.vocab_size}): {bad}")
         rows.append(ids)
     embed = Embed(id=req_id, inputs=rows, dimensions=dimensions or 0)
     return Prepared(embed, single, sum(len(r) for r in rows))
@@ -194,7 +194,8 @@ def result(event: object, prepared: Prepared) -> EmbedResult:
         array = np.frombuffer(event.data, dtype="<f4").reshape(len(prepared.req.inputs), event.dim)
         return EmbedResult(array[0] if prepared.single else array, prepared.tokens, event.stats)
     if isinstance(event, Failed):
-        raise RequestError(event.error_type, event.message, event.traceback)
+        raise RequestError(event.error_type, event.message, event.traceback, kind=event.kind,
+                           field=event.field)
     if isinstance(event, Done):  # only a cancelled request ends with Done
         raise MlxrtError(f"embedding request {prepared.req.id} was cancelled")
     if isinstance(event, BaseException):

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from ..ipc.protocol import InvalidField
+
+__all__ = ["InvalidField", "MlxrtError", "WorkerDied", "ChannelError", "ModelLoadError", "MlxrtTimeout",
+           "RemoteTraceback", "RequestError", "ModelNotFoundError", "ModelFailedError", "MemoryPressureError"]
+
 
 class MlxrtError(Exception):
     """Base of every mlxrt error."""
@@ -38,14 +43,19 @@ class RequestError(MlxrtError):
     """This request failed in the worker; the worker lives on.
 
     ``error_type`` is the worker's exception class name (e.g. ``PromptTooLongError``),
-    ``remote_traceback`` its traceback, also chained as ``__cause__``.
+    ``remote_traceback`` its traceback, also chained as ``__cause__``. ``kind`` is how the worker
+    classed it (`protocol.FAILURE_KINDS`: "invalid", the request's fault; "too_long", a prompt beyond
+    the context; "internal", a bug) and ``field`` the request field at fault, where one is.
     """
 
-    def __init__(self, error_type: str, message: str, remote_traceback: str = "") -> None:
+    def __init__(self, error_type: str, message: str, remote_traceback: str = "", *, kind: str = "internal",
+                 field: str | None = None) -> None:
         super().__init__(f"{error_type}: {message}")
         self.error_type = error_type
         self.message = message
         self.remote_traceback = remote_traceback
+        self.kind = kind
+        self.field = field
         if remote_traceback:
             self.__cause__ = RemoteTraceback(remote_traceback)
 

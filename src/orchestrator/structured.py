@@ -17,7 +17,7 @@ import jsonschema
 import llguidance
 import msgspec
 
-from ..ipc.protocol import Grammar
+from ..ipc.protocol import Grammar, InvalidField
 
 #: OpenAI's ``json_object`` and Ollama's ``"json"``: any JSON object.
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -32,21 +32,21 @@ def json_schema_grammar(schema: Mapping[str, Any] | bool | str, field: str = "js
         try:
             decoded = msgspec.json.decode(schema)
         except msgspec.DecodeError as exc:
-            raise ValueError(f"invalid {field}: not JSON ({exc})") from None
+            raise InvalidField(field, f": not JSON ({exc})") from None
         source = schema
     else:
         decoded = schema
         try:
             source = msgspec.json.encode(schema).decode()
         except (TypeError, msgspec.EncodeError) as exc:
-            raise ValueError(f"invalid {field}: not JSON-serialisable ({exc})") from None
+            raise InvalidField(field, f": not JSON-serialisable ({exc})") from None
     if not isinstance(decoded, (dict, bool)):
         kind = type(decoded).__name__
-        raise ValueError(f"invalid {field}: a JSON schema is an object or a boolean, got {kind}")
+        raise InvalidField(field, f": a JSON schema is an object or a boolean, got {kind}")
     grammar = Grammar(kind="json_schema", source=source)
     problem = grammar_problem(grammar)
     if problem:
-        raise ValueError(f"invalid {field}: {problem}")
+        raise InvalidField(field, f": {problem}")
     return grammar
 
 
@@ -58,24 +58,23 @@ def check_tool_schema(schema: Any, field: str) -> None:
     freely needs no grammar, so a valid keyword llguidance cannot enforce is no reason to refuse it.
     """
     if not isinstance(schema, dict):
-        raise ValueError(f"invalid {field}: a JSON schema object is required")
+        raise InvalidField(field, ": a JSON schema object is required")
     if schema.get("type") != "object":
         kind = schema.get("type")
-        raise ValueError(f'invalid {field}.type={kind!r}: must be "object" (a tool takes an object)')
+        raise InvalidField(f"{field}.type", f'={kind!r}: must be "object" (a tool takes an object)')
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.path)
-        raise ValueError(f"invalid {field}: not a valid JSON schema: {exc.message} (at {where or '.'})"
-                         ) from None
+        raise InvalidField(field, f": not a valid JSON schema: {exc.message} (at {where or '.'})") from None
 
 
 def check_grammar(grammar: Grammar) -> Grammar:
     """Return `grammar` if llguidance accepts it; `ValueError` ``invalid grammar: ...`` otherwise."""
     problem = grammar_problem(grammar)
     if problem:
-        raise ValueError(f"invalid grammar ({grammar.kind}): {problem}")
+        raise InvalidField("grammar", f" ({grammar.kind}): {problem}")
     return grammar
 
 

@@ -520,10 +520,7 @@ class Engine:
     def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
         """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`."""
         p = req.params
-        if p.top_k and self.vocab_size and p.top_k > self.vocab_size:
-            raise ValueError(
-                f"invalid top_k={p.top_k}: must be <= the model's vocabulary ({self.vocab_size})"
-            )
+        p.check_vocabulary(self.vocab_size)
         check_request(req.chat, self.capabilities, self.path)
         ids = self.prompt_ids(req)
         grammar = self._grammar(req, ids)

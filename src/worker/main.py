@@ -36,6 +36,7 @@ import time
 import traceback
 from collections import deque
 
+import jinja2
 import msgspec
 
 from ..ipc.channel import ChannelClosed, Receiver, Sender
@@ -52,6 +53,7 @@ from ..ipc.protocol import (
     Fatal,
     Generate,
     Hello,
+    InvalidField,
     Ping,
     Pong,
     Ready,
@@ -367,9 +369,26 @@ class Server:
         self._outbox.message(Embeddings(id=req_id, dim=dim, data=data, stats=stats))
 
     def failed(self, req_id: int, exc: BaseException) -> None:
-        self._outbox.message(
-            Failed(id=req_id, error_type=type(exc).__name__, message=str(exc), traceback=_format(exc))
-        )
+        kind, field = failure_kind(exc)
+        self._outbox.message(Failed(id=req_id, error_type=type(exc).__name__, message=str(exc),
+                                    traceback=_format(exc), kind=kind, field=field))
+
+
+def failure_kind(exc: BaseException) -> tuple[str, str | None]:
+    """`Failed.kind` and `.field` for `exc`, by its type: a prompt beyond the context, the request's own
+    fault (every check the worker makes raises a `ValueError`; a chat template refusing the conversation
+    raises jinja's `TemplateError`), else internal."""
+    from .engine import PromptTooLongError  # loaded by then: only the engine fails requests
+
+    if isinstance(exc, PromptTooLongError):
+        return "too_long", "prompt"
+    if isinstance(exc, InvalidField):
+        return "invalid", exc.field
+    if isinstance(exc, jinja2.TemplateError):
+        return "invalid", "messages"
+    if isinstance(exc, ValueError):
+        return "invalid", None
+    return "internal", None
 
 
 def _format(exc: BaseException) -> str:

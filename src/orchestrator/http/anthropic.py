@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..errors import MlxrtError
+from ..request import Request as RtRequest
 from ..structured import check_tool_schema, json_schema_grammar
 from .anthropic_schemas import (
     AnthropicMessage,
@@ -188,22 +189,32 @@ def _block_refused(i: int, j: int, b: object, where: str, tail: str = "") -> Htt
     return HttpError(400, f"{param}: a {kind!r} block cannot be in {where}", param=param)
 
 
-def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The runtime's sampling keywords; a temperature left out is the model's default (`--temp`), else
-    Anthropic's (`max_tokens` is required here)."""
-    d = defaults or {}
-    params: dict[str, Any] = {
-        "max_tokens": req.max_tokens,
-        "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
-        else req.temperature,
-    }
-    if req.top_p is not None:
-        params["top_p"] = req.top_p
-    if req.top_k is not None:
-        params["top_k"] = req.top_k
+#: Anthropic's default where the request and the model's defaults leave a value out (max_tokens is required).
+API_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE}
+
+
+def sampling_params(req: MessagesRequest) -> dict[str, Any]:
+    """The runtime's sampling keywords the request sets (its defaults come in `Request.build`)."""
+    params: dict[str, Any] = {"max_tokens": req.max_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            params[name] = getattr(req, name)
     if req.stop_sequences:
         params["stop"] = req.stop_sequences
     return params
+
+
+def messages_request(req: MessagesRequest, model: str, defaults: Mapping[str, Any]) -> RtRequest:
+    """The runtime's `Request` for a Messages request; `defaults`: the model's default sampling."""
+    params = {**constrain(sampling_params(req), req), **chat_params(req)}
+    return RtRequest.build(chat_prompt(req), params, defaults={**API_DEFAULTS, **defaults}, model=model)
+
+
+def count_request(req: CountTokensRequest, model: str, defaults: Mapping[str, Any]) -> RtRequest:
+    """The runtime's `Request` that counts `req`'s prompt: one greedy token (the model's defaults
+    do not apply)."""
+    return RtRequest.build(chat_prompt(req), {**chat_params(req), "max_tokens": 1, "temperature": 0.0},
+                           model=model)
 
 
 def chat_params(req: CountTokensRequest) -> dict[str, Any]:
@@ -372,21 +383,12 @@ class AnthropicApi:
     def __init__(self, svc: Service) -> None:
         self.svc = svc
 
-    def _request(self, req: CountTokensRequest) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
-        """The served model, the chat messages and the chat keywords, checked."""
-        model = self.svc.model(req.model)
-        prompt = chat_prompt(req)
-        params = chat_params(req)
-        self.svc.refuse_missing(model, params, think_param="thinking")
-        return model, prompt, params
-
     async def messages(self, request: Request) -> Response | EventStream:
         t0 = time.perf_counter()
         req: MessagesRequest = await self.svc.read(request, _messages_decoder)
-        model, prompt, chat = self._request(req)
-        params = constrain(sampling_params(req, self.svc.sampling_defaults(model)), req)
-        params.update(chat)
-        gen = await self.svc.start(request, "/v1/messages", prompt, model, params, NAMES, t0)
+        model = self.svc.model(req.model)
+        rt_req = self.svc.build(NAMES, messages_request, req, model, self.svc.sampling_defaults(model))
+        gen = await self.svc.start(request, "/v1/messages", rt_req, NAMES, t0)
         message = Message(id=new_id("msg", "_"), model=req.model, content=[], usage=Usage(input_tokens=0,
                                                                                       output_tokens=0))
         thinking = shows_thinking(req)
@@ -404,9 +406,9 @@ class AnthropicApi:
         """The request's prompt tokens, counted by the model's worker (see the module's docstring)."""
         t0 = time.perf_counter()
         req: CountTokensRequest = await self.svc.read(request, _count_decoder)
-        model, prompt, params = self._request(req)
-        params.update(max_tokens=1, temperature=0.0)
-        gen = await self.svc.start(request, "/v1/messages/count_tokens", prompt, model, params, NAMES, t0)
+        model = self.svc.model(req.model)
+        rt_req = self.svc.build(NAMES, count_request, req, model, {})
+        gen = await self.svc.start(request, "/v1/messages/count_tokens", rt_req, NAMES, t0)
         await gen.all_chunks(request.receive)
         return json_response(CountTokens(gen.prompt_tokens))
 

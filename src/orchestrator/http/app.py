@@ -3,7 +3,7 @@
     client --HTTP--> Gate (auth, metrics) --> openai.py / ollama.py / anthropic.py / responses.py
                                               / embeddings.py
                         |                                     | service.py: Service.read() (body.py),
-                        |                                     | Service.start(): rt.stream(), first chunk
+                        |                                     | Service.start(): rt.submit(), first chunk
                         |                                     v
                         |                              AsyncRuntime --frames--> worker processes
                         +-- /health, /metrics read rt.workers

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ...ipc.protocol import InvalidField
 from ..embeddings import ContextLengthError, EmbedResult
 from ..errors import MlxrtError
 from .embedding_schemas import (
@@ -35,7 +36,7 @@ from .embedding_schemas import (
     OllamaEmbedRequest,
     OllamaEmbedResponse,
 )
-from .errors import HttpError, from_runtime_error, from_value_error
+from .errors import from_invalid_field, from_runtime_error
 from .ollama import parse_keep_alive
 from .service import Service, json_response
 from .streaming import until_disconnect
@@ -119,13 +120,13 @@ class EmbeddingsApi:
                                         keep_alive=keep_alive)
         try:
             found = await until_disconnect(request.receive, work)
-        except ContextLengthError as exc:
-            err = from_value_error(exc, names or {})
-            raise HttpError(400, err.message, param=err.param, code="context_length_exceeded") from None
-        except ValueError as exc:
-            raise from_value_error(exc, names or {}) from None
+        except InvalidField as exc:
+            err = from_invalid_field(exc, names or {})
+            if isinstance(exc, ContextLengthError):
+                err.code = "context_length_exceeded"
+            raise err from None
         except MlxrtError as exc:
-            raise from_runtime_error(exc) from None
+            raise from_runtime_error(exc, names) from None
         m = self.svc.metrics
         m.embedded_inputs.labels(model).inc(len(found.vectors) if found.vectors.ndim == 2 else 1)
         m.embedded_tokens.labels(model).inc(found.prompt_tokens)

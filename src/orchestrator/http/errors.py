@@ -12,27 +12,16 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ..errors import MlxrtError, MlxrtTimeout, RequestError, WorkerDied
-
-#: Worker-side exception types caused by the request itself (bad ids, a chat
-#: template that rejects the conversation); anything else is our bug: 500.
-CLIENT_ERROR_TYPES = frozenset(
-    {
-        "PromptTooLongError",
-        "NoChatTemplateError",
-        "ModelKindError",
-        "GrammarError",
-        "ValueError",
-        "TemplateError",
-        "TemplateSyntaxError",
-        "TemplateRuntimeError",
-        "UndefinedError",
-    }
+from ...ipc.protocol import InvalidField
+from ..errors import (
+    MemoryPressureError,
+    MlxrtError,
+    MlxrtTimeout,
+    ModelFailedError,
+    ModelLoadError,
+    RequestError,
+    WorkerDied,
 )
-
-#: Runtime errors that mean "cannot serve this model now" (by class name: some come with the
-#: supervisor). With `WorkerDied`, they are 503s.
-UNAVAILABLE_TYPES = frozenset({"ModelFailedError", "MemoryPressureError", "ModelLoadError"})
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -161,29 +150,32 @@ def from_decode_error(exc: msgspec.DecodeError, prefix: str = "") -> HttpError:
     return HttpError(400, f"invalid request body: {text}", param=param)
 
 
-_FIELD = re.compile(r"invalid ([\w.\[\]]+?)(?=[=: ]|$)")
+def from_invalid_field(exc: InvalidField, names: Mapping[str, str]) -> HttpError:
+    """A request field with a bad value: 400 naming it as the API does (`names` maps mlxrt's field names
+    to the API's). A capability the model lacks (code "unsupported") says so in OpenAI's words."""
+    name = names.get(exc.field, exc.field)
+    if exc.code == "unsupported":
+        why = " (mlx-lm has no tool-call parser for its format)" if exc.capability == "tools" else ""
+        return HttpError(400, f"{name}{exc.detail}{why}", param=name, code="unsupported_parameter")
+    return HttpError(400, exc.named(name), param=name)
 
 
-def from_value_error(exc: ValueError, names: Mapping[str, str]) -> HttpError:
-    """A `ValueError` from request validation; `names` maps mlxrt field names to the API's."""
-    text = str(exc)
-    m = _FIELD.search(text)
-    param = None
-    if m:
-        param = names.get(m.group(1), m.group(1))
-        text = text[: m.start(1)] + param + text[m.end(1) :]
-    return HttpError(400, text, param=param)
-
-
-def from_runtime_error(exc: MlxrtError) -> HttpError:
-    """Map the runtime's errors: the worker is gone (503), too slow (504), or the request failed."""
+def from_runtime_error(exc: MlxrtError, names: Mapping[str, str] | None = None) -> HttpError:
+    """Map the runtime's errors by type: the worker is gone or the model cannot be served (503), too
+    slow (504), or the request failed in the worker, by how the worker classed it (`RequestError.kind`):
+    the request's fault (400, naming the field as `names` calls it), a prompt beyond the context (400),
+    else a bug (500)."""
     if isinstance(exc, RequestError):
-        if exc.error_type == "PromptTooLongError":
+        if exc.kind == "too_long":
             return HttpError(400, exc.message, param="prompt", code="context_length_exceeded")
-        if exc.error_type in CLIENT_ERROR_TYPES:
-            return HttpError(400, f"{exc.error_type}: {exc.message}")
+        if exc.kind == "invalid":
+            param = names.get(exc.field, exc.field) if names and exc.field else exc.field
+            message = exc.message
+            if exc.field and param != exc.field:  # the worker's message names the field as mlxrt does
+                message = message.replace(f"invalid {exc.field}", f"invalid {param}", 1)
+            return HttpError(400, f"{exc.error_type}: {message}", param=param)
         return HttpError(500, f"generation failed: {exc}", code="generation_failed")
-    if isinstance(exc, WorkerDied) or UNAVAILABLE_TYPES & {c.__name__ for c in type(exc).__mro__}:
+    if isinstance(exc, (WorkerDied, ModelFailedError, MemoryPressureError, ModelLoadError)):
         return HttpError(503, f"no worker can serve this request: {exc}", code="worker_unavailable")
     if isinstance(exc, MlxrtTimeout):
         return HttpError(504, str(exc), code="timeout")

@@ -34,12 +34,14 @@ from ...ipc.protocol import (
     MAX_REPETITION_CONTEXT,
     MAX_TOP_LOGPROBS,
     REASONING_EFFORTS,
+    InvalidField,
     TokenLogprob,
     ToolCall,
 )
 from ..errors import MlxrtError
+from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
-from .errors import HttpError, from_runtime_error, ollama_body
+from .errors import HttpError, from_invalid_field, from_runtime_error, ollama_body
 from .schemas import (
     ENCODER,
     KeepAlive,
@@ -130,10 +132,13 @@ def parse_keep_alive(value: KeepAlive) -> float | None:
     return -seconds if text.startswith("-") else seconds
 
 
-def ollama_params(options: OllamaOptions | None, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The runtime's sampling keywords from Ollama `options`; the gaps filled by `defaults` (the
-    model's default sampling, `--temp` and the like), else by Ollama's defaults."""
-    p = {**DEFAULT_OPTIONS, "max_tokens": UNLIMITED_TOKENS, **(defaults or {})}
+#: Ollama's defaults where the request and the model's defaults leave a value out.
+API_DEFAULTS = {**DEFAULT_OPTIONS, "max_tokens": UNLIMITED_TOKENS}
+
+
+def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
+    """The runtime's sampling keywords Ollama `options` set (the defaults come in `Request.build`)."""
+    p: dict[str, Any] = {}
     if options is None:
         return p
     o = options
@@ -154,7 +159,7 @@ def ollama_params(options: OllamaOptions | None, defaults: Mapping[str, Any] | N
         p["stop"] = [o.stop] if isinstance(o.stop, str) else o.stop
     if o.repeat_last_n is not None:
         if o.repeat_last_n == 0:  # 0 disables the penalty
-            p.pop("repetition_penalty")
+            p["repetition_penalty"] = None
         else:
             last_n = MAX_REPETITION_CONTEXT if o.repeat_last_n == -1 else o.repeat_last_n
             p["repetition_context_size"] = last_n
@@ -196,14 +201,37 @@ def think_param(req: OllamaGenerateRequest | OllamaChatRequest) -> dict[str, Any
     return {"think": think}
 
 
-def refuse_missing(svc: Service, model: str, requested: str, params: dict[str, Any]) -> None:
-    """Ollama's 400s for what the model cannot do: `"name" does not support thinking`, `... tools`."""
-    thinking = params.get("think") not in (None, False)
-    missing = svc.missing_capability(model, thinking=thinking, tools=bool(params.get("tools")))
-    if missing == "thinking":
-        raise HttpError(400, f"{json.dumps(requested)} does not support thinking", param="think")
-    if missing == "tools":
-        raise HttpError(400, f"{requested} does not support tools", param="tools")
+def refusal(requested: str):
+    """Ollama's words for what the model cannot do: `"name" does not support thinking`, `... tools`
+    (`requested`: the model as the client named it)."""
+
+    def word(exc: InvalidField) -> HttpError:
+        if exc.capability == "thinking":
+            return HttpError(400, f"{json.dumps(requested)} does not support thinking", param="think")
+        if exc.capability == "tools":
+            return HttpError(400, f"{requested} does not support tools", param="tools")
+        return from_invalid_field(exc, OPTION_NAMES)
+
+    return word
+
+
+def generate_request(req: OllamaGenerateRequest, model: str, defaults: Mapping[str, Any],
+                     keep_alive: float | None) -> RtRequest:
+    """The runtime's `Request` for /api/generate; `defaults`: the model's default sampling."""
+    params = {**constrain(ollama_params(req.options), req.format), **logprobs_param(req)}
+    think = think_param(req)
+    if not req.raw:  # a raw prompt has no template to think through
+        params.update(think)
+    return RtRequest.build(generate_prompt(req), params, defaults={**API_DEFAULTS, **defaults}, model=model,
+                           keep_alive=None if keep_alive is None else _runtime_keep_alive(keep_alive))
+
+
+def chat_request(req: OllamaChatRequest, model: str, defaults: Mapping[str, Any],
+                 keep_alive: float | None) -> RtRequest:
+    """The runtime's `Request` for /api/chat; `defaults`: the model's default sampling."""
+    params = {**constrain(ollama_params(req.options), req.format), **chat_params(req), **logprobs_param(req)}
+    return RtRequest.build(chat_prompt(req), params, defaults={**API_DEFAULTS, **defaults}, model=model,
+                           keep_alive=None if keep_alive is None else _runtime_keep_alive(keep_alive))
 
 
 def constrain(params: dict[str, Any], fmt: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -308,19 +336,15 @@ class OllamaApi:
         req: OllamaGenerateRequest = await self.svc.read(request, _generate_decoder)
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
-        prompt = generate_prompt(req)
-        params = constrain(ollama_params(req.options, self.svc.sampling_defaults(model)), req.format)
-        params.update(logprobs_param(req))
-        chat = think_param(req)
-        refuse_missing(self.svc, model, req.model, chat)
-        if not req.raw:  # a raw prompt has no template to think through
-            params.update(chat)
         think = req.think is not False
         if not req.prompt:
+            think_param(req)  # a bad think is refused even here
             return await self._load_or_unload(model, keep_alive, OllamaGenerateChunk(
                 model=req.model, created_at=iso_now(), response=""))
-        _keep_alive_param(params, keep_alive)
-        gen = await self.svc.start(request, "/api/generate", prompt, model, params, OPTION_NAMES, t0)
+        rt_req = self.svc.build(OPTION_NAMES, generate_request, req, model, self.svc.sampling_defaults(model),
+                                keep_alive)
+        gen = await self.svc.start(request, "/api/generate", rt_req, OPTION_NAMES, t0,
+                                   refusal=refusal(req.model))
         chunk = OllamaGenerateChunk(model=req.model, created_at="", response="")
         if req.stream:
             return EventStream(generate_events(gen, chunk, think=think), headers=NDJSON_HEADERS,
@@ -339,18 +363,14 @@ class OllamaApi:
         req: OllamaChatRequest = await self.svc.read(request, _chat_decoder)
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
-        prompt = chat_prompt(req)
-        params = constrain(ollama_params(req.options, self.svc.sampling_defaults(model)), req.format)
-        params.update(chat_params(req))
-        params.update(logprobs_param(req))
-        refuse_missing(self.svc, model, req.model, params)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself
-        if not prompt:
+        if not chat_prompt(req):
             message = OllamaMessageOut(content="")
             return await self._load_or_unload(model, keep_alive, OllamaChatChunk(
                 model=req.model, created_at=iso_now(), message=message))
-        _keep_alive_param(params, keep_alive)
-        gen = await self.svc.start(request, "/api/chat", prompt, model, params, OPTION_NAMES, t0)
+        rt_req = self.svc.build(OPTION_NAMES, chat_request, req, model, self.svc.sampling_defaults(model),
+                                keep_alive)
+        gen = await self.svc.start(request, "/api/chat", rt_req, OPTION_NAMES, t0, refusal=refusal(req.model))
         chunk = OllamaChatChunk(model=req.model, created_at="", message=OllamaMessageOut(content=""))
         if req.stream:
             return EventStream(chat_events(gen, chunk, think=think), headers=NDJSON_HEADERS,
@@ -423,12 +443,6 @@ class OllamaApi:
 def _runtime_keep_alive(seconds: float) -> float:
     """Ollama's negative keep_alive (forever) as the runtime's infinity."""
     return math.inf if seconds < 0 else seconds
-
-
-def _keep_alive_param(params: dict[str, Any], keep_alive: float | None) -> None:
-    if keep_alive is not None:
-        params["keep_alive"] = _runtime_keep_alive(keep_alive)
-
 
 
 async def generate_events(gen: Generation, chunk: OllamaGenerateChunk, *, think: bool = True

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from ...ipc.protocol import TokenLogprob
 from ..errors import MlxrtError
+from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, openai_body
 from .schemas import (
@@ -82,32 +83,27 @@ def _unsupported(param: str, what: str) -> HttpError:
                      code="unsupported_parameter")
 
 
-def sampling_params(req: OpenAISampling, max_tokens: int | None, default_max: int,
-                    defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The runtime's sampling keywords for `req`; refuses what mlxrt cannot honour.
+#: What the APIs default to where the request and the model's defaults leave a value out.
+CHAT_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": UNLIMITED_TOKENS}
+COMPLETION_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_COMPLETION_MAX_TOKENS}
 
-    What `req` leaves out comes from `defaults` (the model's default sampling, `--temp` and the
-    like), else from the API's own defaults.
-    """
-    d = defaults or {}
+
+def sampling_params(req: OpenAISampling, max_tokens: int | None) -> dict[str, Any]:
+    """The runtime's sampling keywords `req` sets (its defaults come in `Request.build`); refuses what
+    mlxrt cannot honour."""
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name):
             raise _unsupported(name, "a non-zero value (use repetition_penalty)")
     if req.logit_bias:
         raise _unsupported("logit_bias", "a bias")
-    params: dict[str, Any] = {
-        "max_tokens": d.get("max_tokens", default_max) if max_tokens is None else max_tokens,
-        "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
-        else req.temperature,
-        "ignore_eos": req.ignore_eos,
-    }
+    params: dict[str, Any] = {"ignore_eos": req.ignore_eos}
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
     if req.n != 1:  # checked by the runtime: 1 <= n <= MAX_CHOICES
         params["n"] = req.n
-    for name in ("top_p", "seed", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
-                 "stop_token_ids"):
+    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
+                 "repetition_context_size", "stop_token_ids"):
         value = getattr(req, name, None)
-        if value is None:
-            value = d.get(name)
         if value is not None:
             params[name] = value
     if req.stop is not None:
@@ -208,6 +204,31 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
                          "(send one prompt per request)", param="prompt")
 
 
+def chat_request(req: ChatCompletionRequest, model: str, defaults: Mapping[str, Any]) -> RtRequest:
+    """The runtime's `Request` for a chat completion; `defaults`: the model's default sampling."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = constrain(sampling_params(req, max_tokens), req.response_format)
+    prompt = chat_prompt(req)
+    params.update(chat_params(req))
+    params.update(chat_logprobs_param(req))
+    return RtRequest.build(prompt, params, defaults={**CHAT_DEFAULTS, **defaults}, model=model)
+
+
+def chat_names(req: ChatCompletionRequest) -> dict[str, str]:
+    """The runtime's field names as a chat completion calls them."""
+    return {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+            **CHAT_NAMES}
+
+
+def completion_request(req: CompletionRequest, model: str, defaults: Mapping[str, Any]) -> RtRequest:
+    """The runtime's `Request` for a completion; `defaults`: the model's default sampling."""
+    params = constrain(sampling_params(req, req.max_tokens), req.response_format)
+    if req.logprobs is not None:
+        params["logprobs"] = req.logprobs
+    return RtRequest.build(completion_prompt(req), params, defaults={**COMPLETION_DEFAULTS, **defaults},
+                           model=model)
+
+
 def usage_of(gen: Generation) -> Usage:
     cached = gen.stream.stats.cached_tokens if gen.stream.stats else 0
     return Usage(gen.prompt_tokens, gen.tokens, gen.prompt_tokens + gen.tokens, PromptTokensDetails(cached))
@@ -232,17 +253,9 @@ class OpenAIApi:
     async def chat(self, request: Request) -> Response | EventStream:
         t0 = time.perf_counter()
         req: ChatCompletionRequest = await self.svc.read(request, _chat_decoder)
-        model = self.svc.model(req.model)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        defaults = self.svc.sampling_defaults(model)
-        params = constrain(sampling_params(req, max_tokens, UNLIMITED_TOKENS, defaults), req.response_format)
-        names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
-                 else "max_tokens", **CHAT_NAMES}
-        prompt = chat_prompt(req)
-        params.update(chat_params(req))
-        params.update(chat_logprobs_param(req))
-        self.svc.refuse_missing(model, params, think_param="reasoning_effort")
-        gen = await self.svc.start(request, "/v1/chat/completions", prompt, model, params, names, t0)
+        model, names = self.svc.model(req.model), chat_names(req)
+        rt_req = self.svc.build(names, chat_request, req, model, self.svc.sampling_defaults(model))
+        gen = await self.svc.start(request, "/v1/chat/completions", rt_req, names, t0)
         rid, created = new_id("chatcmpl"), int(time.time())
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -263,11 +276,8 @@ class OpenAIApi:
         t0 = time.perf_counter()
         req: CompletionRequest = await self.svc.read(request, _completion_decoder)
         model = self.svc.model(req.model)
-        params = constrain(sampling_params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                                           self.svc.sampling_defaults(model)), req.response_format)
-        if req.logprobs is not None:
-            params["logprobs"] = req.logprobs
-        gen = await self.svc.start(request, "/v1/completions", completion_prompt(req), model, params, {}, t0)
+        rt_req = self.svc.build({}, completion_request, req, model, self.svc.sampling_defaults(model))
+        gen = await self.svc.start(request, "/v1/completions", rt_req, {}, t0)
         rid, created = new_id("cmpl"), int(time.time())
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

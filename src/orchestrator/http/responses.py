@@ -40,6 +40,7 @@ from starlette.responses import Response as HttpResponse
 from starlette.routing import Route
 
 from ..errors import MlxrtError
+from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, check_tool_schema, json_schema_grammar
 from .blocks import Block, BlockEvents, collect, reasoning_tokens
 from .errors import HttpError, from_decode_error, from_runtime_error
@@ -229,18 +230,18 @@ def _text(i: int, content: str | list[Any], field: str, sep: str = "\n") -> str:
     return sep.join(texts)
 
 
-def sampling_params(req: ResponsesRequest, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The runtime's sampling keywords; what the request leaves out is the model's default (`--temp`,
-    `--max-tokens`), else OpenAI's."""
-    d = defaults or {}
-    params: dict[str, Any] = {
-        "max_tokens": d.get("max_tokens", UNLIMITED_TOKENS) if req.max_output_tokens is None
-        else req.max_output_tokens,
-        "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
-        else req.temperature,
-    }
-    if req.top_p is not None:
-        params["top_p"] = req.top_p
+#: OpenAI's defaults where the request and the model's defaults leave a value out.
+API_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": UNLIMITED_TOKENS}
+
+
+def sampling_params(req: ResponsesRequest) -> dict[str, Any]:
+    """The runtime's sampling keywords the request sets (its defaults come in `Request.build`)."""
+    params: dict[str, Any] = {}
+    if req.max_output_tokens is not None:
+        params["max_tokens"] = req.max_output_tokens
+    for name in ("temperature", "top_p"):
+        if getattr(req, name) is not None:
+            params[name] = getattr(req, name)
     fmt = req.text.format if req.text else None
     if isinstance(fmt, (FormatJsonObject, FormatJsonSchema)):
         named = isinstance(fmt, FormatJsonSchema) and fmt.schema is not None
@@ -462,6 +463,14 @@ def _item_stop(index: int, item: OutputItem, block: Block) -> list[Any]:
             OutputItemDone(output_index=index, item=item)]
 
 
+def responses_request(req: ResponsesRequest, prompt: list[dict[str, Any]], model: str,
+                      defaults: Mapping[str, Any]) -> RtRequest:
+    """The runtime's `Request` for a Responses request whose conversation is `prompt` (instructions
+    and stored history included); `defaults`: the model's default sampling."""
+    params = {**sampling_params(req), **chat_params(req)}
+    return RtRequest.build(prompt, params, defaults={**API_DEFAULTS, **defaults}, model=model)
+
+
 class ResponsesApi:
     def __init__(self, svc: Service) -> None:
         self.svc = svc
@@ -477,11 +486,9 @@ class ResponsesApi:
             raise HttpError(400, "input: no messages to respond to", param="input")
         prompt = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt += history
-        params = sampling_params(req, self.svc.sampling_defaults(model))
-        chat = chat_params(req)
-        self.svc.refuse_missing(model, chat, think_param="reasoning.effort")
-        params.update(chat)
-        gen = await self.svc.start(request, "/v1/responses", prompt, model, params, NAMES, t0)
+        defaults = self.svc.sampling_defaults(model)
+        rt_req = self.svc.build(NAMES, responses_request, req, prompt, model, defaults)
+        gen = await self.svc.start(request, "/v1/responses", rt_req, NAMES, t0)
         turn = Turn(req, history, self.store)
         if req.stream:
             return EventStream(response_events(gen, turn), headers=SSE_HEADERS, on_close=gen.on_close)

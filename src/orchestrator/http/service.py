@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,13 +23,13 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ...ipc.protocol import Capabilities, TokenLogprob, ToolCall
-from ..chat import missing_capability
+from ...ipc.protocol import Capabilities, InvalidField, TokenLogprob, ToolCall
 from ..errors import MlxrtError
+from ..request import Request as RtRequest
 from ..runtime import AsyncRuntime, AsyncStream, Chunk
 from .body import decode, read_body
 from .config import ServerConfig
-from .errors import HttpError, from_runtime_error, from_value_error
+from .errors import HttpError, from_invalid_field, from_runtime_error
 from .metrics import Metrics
 from .schemas import ENCODER
 from .streaming import ClientGone, until_disconnect
@@ -186,9 +186,10 @@ class Generation:
         self.finish(self.finish_reason)
         return chunks
 
-    async def unless_gone(self, receive, work: Awaitable[T]) -> T:
+    async def unless_gone(self, receive, work: Awaitable[T], names: Mapping[str, str] | None = None) -> T:
         """Await `work` unless the client disconnects first; a disconnect or a runtime error
-        is recorded as this generation's outcome and re-raised (as an HTTP error)."""
+        is recorded as this generation's outcome and re-raised (as an HTTP error naming the field
+        as the API does: `names`)."""
         try:
             return await until_disconnect(receive, work)
         except ClientGone:
@@ -196,7 +197,7 @@ class Generation:
             raise
         except MlxrtError as exc:
             self.finish("error")
-            raise from_runtime_error(exc) from exc
+            raise from_runtime_error(exc, names) from exc
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The first chunk (awaited before the response began), then the rest, counting
@@ -281,25 +282,6 @@ class Service:
         info = self.rt.model_info(name)
         return info.capabilities if info is not None else None
 
-    def missing_capability(self, name: str, *, thinking: bool, tools: bool) -> str | None:
-        """"thinking" or "tools" when the request needs what the model lacks (unknown: None, the
-        worker checks)."""
-        return missing_capability(self.capabilities(name), thinking=thinking, tools=tools)
-
-    def refuse_missing(self, model: str, params: Mapping[str, Any], *, think_param: str,
-                       tools_param: str = "tools") -> None:
-        """`HttpError` 400 naming the field when the runtime keywords `params` ask `model` for
-        thinking or tools it does not support (``think: false`` and tool choice "none" ask nothing)."""
-        thinking = params.get("think") not in (None, False)
-        tools = bool(params.get("tools")) and params.get("tool_choice") != "none"
-        missing = self.missing_capability(model, thinking=thinking, tools=tools)
-        if missing is None:
-            return
-        param = tools_param if missing == "tools" else think_param
-        why = " (mlx-lm has no tool-call parser for its format)" if missing == "tools" else ""
-        raise HttpError(400, f"{param}: model {model!r} does not support {missing}{why}", param=param,
-                        code="unsupported_parameter")
-
     def model(self, requested: str, *, ollama: bool = False) -> str:
         """The served model called `requested`, or served from the path `requested` (Ollama's
         ``:latest`` tag optional); 404 otherwise."""
@@ -322,26 +304,40 @@ class Service:
         """Read the body (at most `max_body_bytes`, else 413) and decode it strictly (else 400)."""
         return decode(await read_body(request, self.config.max_body_bytes), decoder, prefix)
 
+    def build(self, names: Mapping[str, str], to_request: Callable[..., RtRequest], *args: Any) -> RtRequest:
+        """``to_request(*args)``, an API's request as the runtime's; an `InvalidField` is a 400 naming the
+        field as the API does (`names` maps mlxrt's field names to the API's)."""
+        try:
+            return to_request(*args)
+        except InvalidField as exc:
+            raise from_invalid_field(exc, names) from None
+
     async def start(
         self,
         request: Request,
         endpoint: str,
-        prompt: Any,
-        model: str,
-        params: dict[str, Any],
+        rt_req: RtRequest,
         names: Mapping[str, str],
         t0: float,
+        *,
+        refusal: Callable[[InvalidField], HttpError] | None = None,
     ) -> Generation:
-        """Start a generation and wait for its first chunk (or its end, or its error)."""
-        check_vocabulary(params, self.vocab_size(model), names)
+        """Start a generation and wait for its first chunk (or its end, or its error).
+
+        What the model cannot do (thinking, tools: `InvalidField` with code "unsupported") is
+        `refusal`'s to word, where the API has its own wording (Ollama's).
+        """
+        model = rt_req.model or ""
         try:
-            stream = self.rt.stream(prompt, model=model, **params)
-        except ValueError as exc:
-            raise from_value_error(exc, names) from None
+            stream = self.rt.submit(rt_req)
+        except InvalidField as exc:
+            if refusal is not None and exc.code == "unsupported":
+                raise refusal(exc) from None
+            raise from_invalid_field(exc, names) from None
         except MlxrtError as exc:
-            raise from_runtime_error(exc) from None
+            raise from_runtime_error(exc, names) from None
         gen = Generation(self, endpoint, model, stream, t0)
-        gen.first = await gen.unless_gone(request.receive, _first(stream))
+        gen.first = await gen.unless_gone(request.receive, _first(stream), names)
         gen.ttft_s = time.perf_counter() - t0
         return gen
 
@@ -363,23 +359,6 @@ def path_aliases(model_refs: Mapping[str, str]) -> dict[str, str]:
         if path.is_dir():
             aliases.setdefault(str(path.resolve()), name)
     return aliases
-
-
-def check_vocabulary(params: Mapping[str, Any], vocab_size: int, names: Mapping[str, str]) -> None:
-    """`HttpError` 400 for a sampling parameter beyond the model's vocabulary (0: unknown, unchecked),
-    named as the API names it (`names` maps mlxrt's field names to the API's)."""
-    if not vocab_size:
-        return
-    top_k = params.get("top_k")
-    if isinstance(top_k, int) and top_k >= vocab_size:  # mlx-lm's sampler takes (0, vocab_size)
-        name = names.get("top_k", "top_k")
-        raise HttpError(400, f"invalid {name}={top_k}: must be < the model's vocabulary size, {vocab_size} "
-                             f"(0 disables)", param=name)
-    bad = [t for t in params.get("stop_token_ids") or () if isinstance(t, int) and t >= vocab_size]
-    if bad:
-        name = names.get("stop_token_ids", "stop_token_ids")
-        raise HttpError(400, f"invalid {name}: ids outside the model's vocabulary [0, {vocab_size}): "
-                             f"{bad[:5]}", param=name)
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
