@@ -261,3 +261,19 @@ def test_model_answers_to_the_path_it_is_served_from(srv, tiny_model, tmp_path):
         assert [m.model for m in oll.list().models] == ["tiny"]
         other = http.post("/v1/completions", json={"model": str(tmp_path), "prompt": "Hi"})
         assert other.status_code == 404 and "'tiny'" in other.json()["error"]["message"]
+
+
+def test_worker_failures_map_by_kind_not_by_name():
+    """A request the worker refused is a 400 naming the field as the API does, a prompt beyond the
+    context a 400 with OpenAI's code, anything else a 500: by the kind the worker sent, whatever the
+    exception's class name; a gone worker is a 503 by type."""
+    from mlxrt import RequestError, WorkerDied
+    from mlxrt.orchestrator.http.errors import from_runtime_error
+
+    bad = RequestError("SomeNewError", "invalid top_k=9000: must be < 2048", kind="invalid", field="top_k")
+    err = from_runtime_error(bad, {"top_k": "options.top_k"})
+    assert (err.status, err.param) == (400, "options.top_k") and "invalid options.top_k=9000" in err.message
+    long = from_runtime_error(RequestError("X", "prompt has 9 tokens", kind="too_long", field="prompt"))
+    assert (long.status, long.param, long.code) == (400, "prompt", "context_length_exceeded")
+    assert from_runtime_error(RequestError("ValueError", "oops")).status == 500  # kind defaults to internal
+    assert from_runtime_error(WorkerDied("gone")).status == 503

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import TRANSPORTS, assert_stopped
 from mlx_lm import stream_generate
-from mlxrt import AsyncRuntime, RequestError, Runtime
+from mlxrt import AsyncRuntime, InvalidField, Request, RequestError, Runtime
 
 PROMPTS = [
     "The quick brown fox",
@@ -140,6 +140,7 @@ def test_prompt_longer_than_context_is_a_request_error(rt, tiny_model):
     with pytest.raises(RequestError) as err:
         rt.generate([10 + i % 50 for i in range(context + 1)], max_tokens=4)
     assert err.value.error_type == "PromptTooLongError"
+    assert (err.value.kind, err.value.field) == ("too_long", "prompt")  # classed by the worker, by type
     assert "context" in err.value.message
     assert "Traceback" in err.value.remote_traceback
     assert rt.generate(PROMPTS[0], max_tokens=2).tokens
@@ -159,11 +160,23 @@ def test_prompt_longer_than_context_is_a_request_error(rt, tiny_model):
     ],
 )
 def test_invalid_sampling_params_raise_before_the_worker(rt, kw, field):
-    """Bad sampling parameters raise ValueError naming the field; nothing reaches the worker."""
+    """Bad sampling parameters raise InvalidField (a ValueError) naming the field, as data too; nothing
+    reaches the worker."""
     before = rt.workers[0].requests
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as err:
         rt.generate(PROMPTS[0], **kw)
+    assert isinstance(err.value, InvalidField) and err.value.field == field
     assert rt.workers[0].requests == before
+
+
+def test_submit_takes_a_typed_request(rt):
+    """`submit(Request)` is what `generate` does: the same ids; a request for another model names it."""
+    req = Request.build(PROMPTS[0], {"max_tokens": 8, "ignore_eos": True})
+    assert [t for c in rt.submit(req) for t in c.tokens] == rt.generate(PROMPTS[0], max_tokens=8,
+                                                                        ignore_eos=True).tokens
+    with pytest.raises(InvalidField) as err:
+        rt.submit(Request.build(PROMPTS[0], {}, model="nope"))
+    assert err.value.field == "model"
 
 
 def test_unknown_keyword_is_a_type_error(rt):
@@ -238,3 +251,17 @@ def test_breaking_out_of_an_async_stream_cancels_it(tiny_model):
             assert rt.workers[0].tokens - before - 1 < 400
 
     asyncio.run(main())
+
+
+def test_worker_classes_failures_by_type():
+    """The worker sends each failure's kind by its exception's type: the request's fault (with its
+    field where the check names one), a prompt beyond the context, or a bug."""
+    import jinja2
+    from mlxrt.worker.engine import PromptTooLongError
+    from mlxrt.worker.main import failure_kind
+
+    assert failure_kind(PromptTooLongError("long")) == ("too_long", "prompt")
+    assert failure_kind(InvalidField("top_k", "=9: too big")) == ("invalid", "top_k")
+    assert failure_kind(jinja2.TemplateError("roles must alternate")) == ("invalid", "messages")
+    assert failure_kind(ValueError("bad ids")) == ("invalid", None)
+    assert failure_kind(RuntimeError("a bug")) == ("internal", None)
