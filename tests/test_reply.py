@@ -215,7 +215,7 @@ CAPABILITIES = {
 def engine():
     """name -> an in-process Engine on that tiny preset, loaded once per module."""
     from mlxrt.ipc.protocol import EngineOptions
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     cache: dict[str, Engine] = {}
 

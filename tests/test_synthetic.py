@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlxrt.worker.synthetic import (
+from mlxrt.synthetic.build import (
     FAMILIES,
     MARKER_FILE,
     PRESETS,
@@ -122,7 +122,7 @@ def test_foreign_directory_is_not_clobbered(tmp_path):
 def test_concurrent_makers_agree(tmp_path):
     """Two processes making the same model at once both succeed and leave one valid directory."""
     out = tmp_path / "m"
-    code = f"from mlxrt.worker.synthetic import make_model; make_model('tiny', {str(out)!r})"
+    code = f"from mlxrt.synthetic.build import make_model; make_model('tiny', {str(out)!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert _files(out) == _files(make_model("tiny", tmp_path / "ref"))

@@ -111,7 +111,7 @@ def model_config(ref: str) -> dict[str, Any] | None:
 
 
 def _synthetic_config(name: str) -> dict[str, Any] | None:
-    from ..worker.synthetic import parse_synthetic, synthetic_preset  # no MLX at import
+    from ..synthetic.build import parse_synthetic, synthetic_preset  # no MLX at import
 
     try:
         return synthetic_preset(parse_synthetic(name)).config()
@@ -124,7 +124,7 @@ def tokenizer_key(ref: str) -> object | None:
     synthetic preset's tokenizer recipe, or a directory's tokenizer.json vocabulary and added tokens.
     Keys of the two kinds do not compare (the first element says which)."""
     if ref.startswith(SYNTHETIC_PREFIX):
-        from ..worker.synthetic import parse_synthetic, synthetic_preset
+        from ..synthetic.build import parse_synthetic, synthetic_preset
 
         try:
             return "synthetic", synthetic_preset(parse_synthetic(ref[len(SYNTHETIC_PREFIX):])).tokenizer_key

@@ -134,7 +134,7 @@ def resolve_model_path(model: str) -> str:
     pass others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model
-    from .synthetic import ensure_synthetic, parse_synthetic
+    from ..synthetic.build import ensure_synthetic, parse_synthetic
 
     return str(ensure_synthetic(parse_synthetic(model[len(SYNTHETIC_PREFIX) :])))
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 import structlog
 
-from .synthetic import (
+from .build import (
     FORMAT_VERSION,
     MARKER_FILE,
     SyntheticRef,
