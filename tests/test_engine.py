@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
-from mlxrt.synthetic.build import PRESETS
+from mlxrt.synthetic.presets import PRESETS
 from mlxrt.worker.engine import Engine
 
 FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding)

@@ -212,7 +212,7 @@ def test_model_defaults_fill_what_a_request_leaves_out():
 
 def test_synthetic_variant_references_parse():
     """``synthetic:PRESET[:SEED]?noise=X&layers=N``: parsed, and bad values named."""
-    from mlxrt.synthetic.build import parse_synthetic
+    from mlxrt.synthetic.presets import parse_synthetic
 
     ref = parse_synthetic("tiny:3?noise=0.02&layers=1")
     assert (ref.preset, ref.seed, ref.noise, ref.layers, ref.is_variant) == ("tiny", 3, 0.02, 1, True)

@@ -8,17 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlxrt.synthetic.build import (
-    FAMILIES,
-    MARKER_FILE,
-    PRESETS,
-    SPECIAL_TOKENS,
-    build_model,
-    default_model_dir,
-    ensure_model,
-    get_preset,
-    make_model,
-)
+from mlxrt.synthetic.build import MARKER_FILE, build_model, ensure_model, make_model
+from mlxrt.synthetic.presets import FAMILIES, PRESETS, SPECIAL_TOKENS, default_model_dir, get_preset
 
 # Tiny preset -> (mlx-lm model_type, the cache kinds its make_prompt_cache gives).
 TINY_FAMILIES = {

@@ -34,15 +34,14 @@ import mlx.core as mx
 import structlog
 
 from .build import (
-    FORMAT_VERSION,
     MARKER_FILE,
-    SyntheticRef,
     _install,
     _key_seed,
     _read_marker,
     _write_json,
     ensure_synthetic,
 )
+from .presets import FORMAT_VERSION, SyntheticRef
 
 log = structlog.get_logger("mlxrt.worker")
 

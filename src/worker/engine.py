@@ -134,7 +134,8 @@ def resolve_model_path(model: str) -> str:
     pass others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model
-    from ..synthetic.build import ensure_synthetic, parse_synthetic
+    from ..synthetic.build import ensure_synthetic
+    from ..synthetic.presets import parse_synthetic
 
     return str(ensure_synthetic(parse_synthetic(model[len(SYNTHETIC_PREFIX) :])))
 
