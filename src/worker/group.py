@@ -71,7 +71,7 @@ from ..ipc.protocol import (
     step_codec,
     worker_codec,
 )
-from .main import Server
+from .serve import Server
 
 #: A step's frame up to this size (with its 4-byte length) costs one all_sum: every decode step's,
 #: and a new request's unless its prompt is long.
