@@ -71,7 +71,7 @@ from ..ipc.protocol import (
     SamplingParams,
     Stats,
 )
-from .choices import Group
+from .choices import ChoiceGroup
 from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
@@ -152,7 +152,7 @@ class Engine:
         group=None,
         prompt_cache_share: int = 1,
     ) -> None:
-        """`group`: this process's rank of a worker group (`group.Group`), or None;
+        """`group`: this process's rank of a worker group (`group.RankGroup`), or None;
         `prompt_cache_share`: how many workers split the auto prompt cache cap (`Hello`'s)."""
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
@@ -532,7 +532,7 @@ class Engine:
         system_end = self._system_end(req, ids) if reuse else 0
         turn_end = self._turn_end(req, ids) if reuse else 0
         # Only requests that ask for log-probabilities or several choices get the choices' listeners.
-        group = Group(listener, p.n) if p.n > 1 or p.logprobs is not None else None
+        group = ChoiceGroup(listener, p.n) if p.n > 1 or p.logprobs is not None else None
         seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, turn_end=turn_end,
                              queued_at=queued_at, listener=listener if group is None else group.choices[i])
                 for i in range(p.n)]
