@@ -251,7 +251,7 @@ def make_prompt(tokenizer: Any, n: int, *, start: int = 0) -> tuple[list[int], b
     Text-only peers get ``decode(ids)``; ids that re-encode to themselves make that
     the same prompt. Returns the ids and whether the round trip holds.
     """
-    text = resources.files("mlxrt.worker").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("mlxrt.synthetic").joinpath("corpus.txt").read_text(encoding="utf-8")
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
     ids: list[int] = []
     i = start

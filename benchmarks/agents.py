@@ -122,7 +122,7 @@ class Reply:
 
 
 def _corpus_words() -> list[str]:
-    return resources.files("mlxrt.worker").joinpath("corpus.txt").read_text(encoding="utf-8").split()
+    return resources.files("mlxrt.synthetic").joinpath("corpus.txt").read_text(encoding="utf-8").split()
 
 
 def _words(n: int, rng: random.Random) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from mlxrt.worker.synthetic import ensure_model
+from mlxrt.synthetic.build import ensure_model
 
 from .concurrency import run_threads
 from .env import default_preset, describe

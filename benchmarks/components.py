@@ -105,7 +105,7 @@ def outbox(n: int, *, gap_s: float = DEFAULT_OUTBOX_GAP_S) -> dict[str, Any]:
 def _outbox_pass(n: int, gap_s: float) -> dict[str, Any]:
     from mlxrt.ipc.protocol import orchestrator_codec
     from mlxrt.ipc.stdio import PipeSender
-    from mlxrt.worker.main import Outbox
+    from mlxrt.worker.serve import Outbox
 
     r, w = os.pipe()
     # The reader is another process, as the orchestrator is: a reader thread here would

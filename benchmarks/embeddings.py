@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlxrt import AsyncRuntime
-from mlxrt.worker.synthetic import ensure_model
+from mlxrt.synthetic.build import ensure_model
 
 from .env import describe
 

@@ -159,7 +159,7 @@ def harness_argv(model: str, sizes: Sizes, *, parts: list[str], peers: str, json
 def made_dir(model: str) -> Path | None:
     """The directory a synthetic `model` is made in, when it is not there yet (else None)."""
     from mlxrt.orchestrator.models import SYNTHETIC_PREFIX
-    from mlxrt.worker.synthetic import default_model_dir, parse_synthetic
+    from mlxrt.synthetic.presets import default_model_dir, parse_synthetic
 
     if not model.startswith(SYNTHETIC_PREFIX):
         return None

@@ -28,9 +28,9 @@ import time
 
 import mlx.core as mx
 from mlxrt.ipc.protocol import EngineOptions, Grammar
+from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import GrammarCache, StepMasks
-from mlxrt.worker.synthetic import ensure_model
 
 from .env import describe
 from .measure import spread

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
+from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine, device_name
-from mlxrt.worker.synthetic import ensure_model
 
 
 class _Stats:

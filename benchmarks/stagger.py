@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
+from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.synthetic import ensure_model
 
 
 class _Timeline:

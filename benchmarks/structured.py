@@ -23,9 +23,9 @@ import sys
 import time
 
 from mlxrt.ipc.protocol import EngineOptions, Generate, Grammar, SamplingParams
+from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import GrammarCache, _compile
-from mlxrt.worker.synthetic import ensure_model
 
 from .env import describe
 from .measure import ratio_spread, spread

@@ -45,14 +45,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from .worker.synthetic import PRESETS, make_model
+    from .synthetic.build import make_model
+    from .synthetic.presets import PRESETS
 
     if args.preset not in PRESETS:
         print(f"mlxrt: error: unknown preset {args.preset!r}; choose from {sorted(PRESETS)}", file=sys.stderr)
         return 2
     if args.noise or args.layers is not None:  # a draft variant: the preset (cached), then the copy
-        from .worker.synthetic import SyntheticRef, ensure_synthetic
-        from .worker.variants import make_variant
+        from .synthetic.build import ensure_synthetic
+        from .synthetic.presets import SyntheticRef
+        from .synthetic.variants import make_variant
 
         base = ensure_synthetic(SyntheticRef(args.preset, args.seed, vocab=args.vocab_size))
         out = make_variant(base, args.out, noise=args.noise, layers=args.layers, seed=args.seed)

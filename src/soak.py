@@ -356,7 +356,7 @@ def load_corpus() -> list[str]:
     from importlib import resources
 
     try:
-        text = resources.files("mlxrt.worker").joinpath("corpus.txt").read_text(encoding="utf-8")
+        text = resources.files("mlxrt.synthetic").joinpath("corpus.txt").read_text(encoding="utf-8")
     except (FileNotFoundError, ModuleNotFoundError):
         text = "the quick brown fox jumps over the lazy dog while a soak test keeps running " * 20
     return text.split()

@@ -18,7 +18,7 @@ TRANSPORTS = ["stdio", "ring"]
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """Path of the `tiny` synthetic model, made once per cache."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     return str(ensure_model("tiny"))
 

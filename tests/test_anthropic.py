@@ -28,7 +28,7 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 @pytest.fixture(scope="module")
 def srv(scripted_env):  # noqa: F811
     """One server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     presets = {"tiny": "tiny", "qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss"}
     with running({n: str(ensure_model(p)) for n, p in presets.items()}, _worker_argv=SCRIPTED) as s:

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from mlxrt import Runtime
 from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
+from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.synthetic import ensure_model
 from test_http import running
 
 PROMPT = "The tide came in over the rocks and the gulls rose"

@@ -29,7 +29,7 @@ DIM = 64
 
 @pytest.fixture(scope="module")
 def emb_model() -> str:
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     return str(ensure_model("tiny-qwen3-embedding"))
 

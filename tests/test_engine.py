@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
+from mlxrt.synthetic.presets import PRESETS
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.synthetic import PRESETS
 
 FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding)
 
@@ -90,7 +90,7 @@ def chat(*turns: str, system: str = SYSTEM) -> list[ChatMessage]:
 @pytest.fixture(scope="module", params=FAMILIES)
 def engines(request):
     """Per family: an engine with prefix reuse and one without (the reference)."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     path = str(ensure_model(request.param))
     opts = {"decode_concurrency": 8, "prefill_step_size": 64}
@@ -205,7 +205,7 @@ def test_cancel_and_failure_in_a_batch_leave_the_others_unchanged(engines):
 
 def test_bad_sampler_fails_alone_and_poisons_nothing():
     """top_k past the vocabulary fails its request at admission; later sampling is as on a fresh engine."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     path = str(ensure_model("tiny"))
     engine = Engine(path, options=EngineOptions(prompt_cache_bytes=0))
@@ -219,7 +219,7 @@ def test_bad_sampler_fails_alone_and_poisons_nothing():
 
 def test_prefix_cache_stays_under_its_byte_cap():
     """A stream of distinct long prompts against a small byte cap: the cap holds and nothing fails."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     cap = 400_000
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prompt_cache_bytes=cap))
@@ -233,7 +233,7 @@ def test_prefix_cache_stays_under_its_byte_cap():
 
 def test_stop_strings_and_stop_ids_in_a_batch():
     """Stop strings end a sequence inside a batch with the text cut before them, as alone."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prompt_cache_bytes=0))
     free, _ = run_alone(engine, gen(1, "Once upon a time", max_tokens=30))
@@ -250,7 +250,7 @@ def test_stop_strings_and_stop_ids_in_a_batch():
 
 def test_long_warmup_prompt_passes_one_prefill_step():
     """On a GPU the warm-up also prefills a prompt past one prefill step (two chunk shapes)."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prefill_step_size=64))
     ids = engine._long_warmup_ids(4)
@@ -311,7 +311,7 @@ def test_second_request_moves_the_lone_one_into_the_batch(engines, after):
 
 def test_cancel_on_the_fast_path():
     """Cancelling a lone request ends it as cancelled; the engine serves the next one as before."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
     rec = Recorder()
@@ -328,7 +328,7 @@ def test_cancel_on_the_fast_path():
 
 def test_stop_strings_stop_ids_and_max_tokens_on_the_fast_path():
     """Stop strings, stop ids and max_tokens end a lone request as they end it in the batch."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions(prompt_cache_bytes=0))
     free = through_batch(engine, gen(1, "Once upon a time", max_tokens=30))
@@ -353,8 +353,8 @@ def test_stop_strings_stop_ids_and_max_tokens_on_the_fast_path():
 
 def test_failure_on_the_fast_path_fails_that_request_alone():
     """A step of the lone request that raises fails it; the engine then serves requests as before."""
+    from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker.engine import BatchStepError
-    from mlxrt.worker.synthetic import ensure_model
 
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
     seeded = gen(2, "The quick brown fox", temperature=0.9, seed=3)
@@ -379,8 +379,8 @@ def test_moe_prefill_steps_fit_cudas_grid(monkeypatch):
     """On MLX's CUDA backend (pretended), MoE prefill calls carry at most 65535 (token, expert) pairs."""
     # The batched step is cut so that `prompt_concurrency` prompts fit, the lone step only past the cap,
     # and the ids are the uncut engine's. Dense models and the other backends keep the options' step.
+    from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker import limits
-    from mlxrt.worker.synthetic import ensure_model
 
     moe, dense = (str(ensure_model(p)) for p in ("tiny-qwen3-moe", "tiny-llama"))  # MoE: 2 experts a token
     opts = EngineOptions(prompt_concurrency=64, prefill_step_size=1024, single_stream=False)
@@ -407,8 +407,8 @@ def test_moe_prefill_steps_fit_cudas_grid(monkeypatch):
 def test_prefix_cache_cap_follows_the_machine_unless_given(monkeypatch):
     """No prompt_cache_bytes: an eighth of the memory MLX may use, 1-64 GiB; a given cap is kept."""
     import psutil
+    from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker import limits
-    from mlxrt.worker.synthetic import ensure_model
 
     path = str(ensure_model("tiny"))
     monkeypatch.setattr(limits.mx, "device_info", lambda: {}, raising=False)  # as on this VM: the RAM

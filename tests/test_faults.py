@@ -85,7 +85,7 @@ def test_corrupt_model_directory_is_a_clear_error(tmp_path, tiny_model, breakage
 def test_config_that_does_not_match_the_model_is_a_clear_error(tmp_path, change, message):
     """A config.json for an architecture mlx-lm does not know, or whose shapes the weights do not
     match: the worker's Fatal reaches the caller as ModelLoadError with mlx-lm's reason, at once."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     bad = tmp_path / "model"
     bad.mkdir()

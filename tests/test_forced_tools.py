@@ -16,8 +16,8 @@ import pytest
 from forcing import prefixed
 from mlxrt.ipc.protocol import Capabilities, ChatMessage, ChatOptions, Generate, SamplingParams
 from mlxrt.orchestrator.chat import chat_options, missing_capability
+from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.synthetic import ensure_model
 
 # Small schemas: the tiny models' context is 512 tokens, and the template renders every tool.
 LOOKUP = {"type": "function", "function": {"name": "find", "parameters": {

@@ -27,7 +27,7 @@ from mlxrt.ipc.protocol import (
 )
 from mlxrt.ipc.stdio import PipeReceiver, PipeSender
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.main import Gather, Outbox, Server
+from mlxrt.worker.serve import Gather, Outbox, Server
 
 LONG_MS = 1000  # the longest window: a request held back would show as a wait this long
 

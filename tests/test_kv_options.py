@@ -20,13 +20,13 @@ MAX_TV_8BIT = 0.02
 
 @pytest.fixture(scope="module")
 def small_path() -> str:
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     return str(ensure_model("small"))
 
 
 def corpus_ids(tokenizer, n: int) -> list[int]:
-    text = resources.files("mlxrt.worker").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("mlxrt.synthetic").joinpath("corpus.txt").read_text(encoding="utf-8")
     return tokenizer.encode(text[:4000])[:n]
 
 
@@ -140,7 +140,7 @@ def test_rotating_cache_batch_and_fast_path_agree(tiny_model):
 def test_worker_refuses_kv_options_the_model_cannot_take(tiny_model):
     """What only the loaded model shows is refused at load with a clear error: a head size (16)
     the group size does not divide, a bound on a model that makes its own (sliding) caches."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     with pytest.raises(ValueError, match="invalid kv_bits=8, kv_group_size=32: .* cannot be quantized"):
         Engine(tiny_model, options=EngineOptions(kv_bits=8, kv_group_size=32))

@@ -15,7 +15,7 @@ from mlxrt.orchestrator.http.schemas import ChatCompletionRequest
 
 @pytest.fixture(scope="module")
 def small_model() -> str:
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     return str(ensure_model("small"))
 
@@ -33,7 +33,7 @@ def no_spawn(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_adapter(tiny_model, tmp_path_factory) -> str:
-    from mlxrt.worker.variants import make_adapter
+    from mlxrt.synthetic.variants import make_adapter
 
     return str(make_adapter(tiny_model, tmp_path_factory.mktemp("adapter") / "tiny-lora"))
 
@@ -216,7 +216,7 @@ def test_model_defaults_fill_what_a_request_leaves_out():
 
 def test_synthetic_variant_references_parse():
     """``synthetic:PRESET[:SEED]?noise=X&layers=N``: parsed, and bad values named."""
-    from mlxrt.worker.synthetic import parse_synthetic
+    from mlxrt.synthetic.presets import parse_synthetic
 
     ref = parse_synthetic("tiny:3?noise=0.02&layers=1")
     assert (ref.preset, ref.seed, ref.noise, ref.layers, ref.is_variant) == ("tiny", 3, 0.02, 1, True)
@@ -332,7 +332,7 @@ def test_make_model_writes_a_draft_variant(tmp_path):
     the preset's tokenizer."""
     from mlx_lm import load
     from mlxrt.cli import main
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     assert main(["make-model", "tiny", "--out", str(tmp_path / "d"), "--noise", "0.02", "--layers", "1"]) == 0
     model, tokenizer = load(str(tmp_path / "d"))

@@ -8,7 +8,7 @@ import threading
 from mlxrt.ipc.channel import ChannelClosed
 from mlxrt.ipc.protocol import Done, Stats, Tokens, orchestrator_codec
 from mlxrt.ipc.stdio import PipeReceiver, PipeSender
-from mlxrt.worker.main import Outbox
+from mlxrt.worker.serve import Outbox
 
 
 def read_all(rx: PipeReceiver, out: list) -> None:

@@ -14,12 +14,12 @@ from forcing import forced, reply_ids
 from mlx_lm.tool_parsers import json_tools
 from mlxrt.ipc.protocol import ChatMessage, ChatOptions, Generate, SamplingParams, ToolCall
 from mlxrt.worker.engine import Engine
+from mlxrt.worker.prompt import is_llama3_json
 from mlxrt.worker.reply import (
     HarmonySplitter,
     Llama3JsonSplitter,
     Parts,
     TagSplitter,
-    is_llama3_json,
     make_splitter,
 )
 
@@ -215,7 +215,7 @@ CAPABILITIES = {
 def engine():
     """name -> an in-process Engine on that tiny preset, loaded once per module."""
     from mlxrt.ipc.protocol import EngineOptions
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     cache: dict[str, Engine] = {}
 

@@ -257,8 +257,8 @@ def test_worker_classes_failures_by_type():
     """The worker sends each failure's kind by its exception's type: the request's fault (with its
     field where the check names one), a prompt beyond the context, or a bug."""
     import jinja2
-    from mlxrt.worker.engine import PromptTooLongError
-    from mlxrt.worker.main import failure_kind
+    from mlxrt.worker.prompt import PromptTooLongError
+    from mlxrt.worker.serve import failure_kind
 
     assert failure_kind(PromptTooLongError("long")) == ("too_long", "prompt")
     assert failure_kind(InvalidField("top_k", "=9: too big")) == ("invalid", "top_k")

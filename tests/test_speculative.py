@@ -311,7 +311,7 @@ NOT_REWINDING = {"tiny-gemma3": "RotatingKVCache", "tiny-gpt-oss": "RotatingKVCa
 @pytest.mark.parametrize("family", REWINDING)
 def test_each_rewinding_family_drafts_with_its_own_ids(family):
     """A KVCache family drafts with a perturbed copy of itself, rejecting some tokens, and keeps its ids."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     path = str(ensure_model(family))
     plain = Engine(path, options=EngineOptions(prompt_cache_bytes=0))
@@ -330,7 +330,7 @@ def test_each_rewinding_family_drafts_with_its_own_ids(family):
 @pytest.mark.parametrize("family", sorted(NOT_REWINDING))
 def test_families_whose_caches_cannot_rewind_refuse_a_draft_at_load(family):
     """A family with sliding-window or recurrent caches refuses a draft at load, naming the cache kind."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     with pytest.raises(ValueError, match=f"rewinds the cache, which the target's .*{NOT_REWINDING[family]}"):
         Engine(str(ensure_model(family)), options=EngineOptions(draft_model=f"synthetic:{family}"))

@@ -8,17 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlxrt.worker.synthetic import (
-    FAMILIES,
-    MARKER_FILE,
-    PRESETS,
-    SPECIAL_TOKENS,
-    build_model,
-    default_model_dir,
-    ensure_model,
-    get_preset,
-    make_model,
-)
+from mlxrt.synthetic.build import MARKER_FILE, build_model, ensure_model, make_model
+from mlxrt.synthetic.presets import FAMILIES, PRESETS, SPECIAL_TOKENS, default_model_dir, get_preset
 
 # Tiny preset -> (mlx-lm model_type, the cache kinds its make_prompt_cache gives).
 TINY_FAMILIES = {
@@ -122,7 +113,7 @@ def test_foreign_directory_is_not_clobbered(tmp_path):
 def test_concurrent_makers_agree(tmp_path):
     """Two processes making the same model at once both succeed and leave one valid directory."""
     out = tmp_path / "m"
-    code = f"from mlxrt.worker.synthetic import make_model; make_model('tiny', {str(out)!r})"
+    code = f"from mlxrt.synthetic.build import make_model; make_model('tiny', {str(out)!r})"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL) for _ in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert _files(out) == _files(make_model("tiny", tmp_path / "ref"))

@@ -80,7 +80,7 @@ def scripted_env():
 @pytest.fixture(scope="module")
 def srv(scripted_env):
     """One server over scripted workers of five families."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     presets = {"qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny", "llama": "tiny-llama",
                "gemma3": "tiny-gemma3"}
@@ -369,7 +369,7 @@ def test_ollama_show_lists_tools_and_thinking(oll):
 @pytest.fixture(scope="module")
 def rt(scripted_env):
     """The Python API over scripted workers of Qwen3, gpt-oss, Llama and Gemma 3."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     models = {name: str(ensure_model(p)) for name, p in
               (("qwen3", "tiny-qwen3"), ("gpt-oss", "tiny-gpt-oss"), ("llama", "tiny-llama"),

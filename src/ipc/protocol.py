@@ -18,8 +18,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from .ring import RingSpec
-
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
 PROTOCOL_VERSION = 6
@@ -448,6 +446,16 @@ class GroupRank(msgspec.Struct, kw_only=True):
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     #: Longest wait for the other ranks to connect, when the group starts.
     connect_timeout_s: float = MIN_CONNECT_TIMEOUT_S
+
+
+class RingSpec(msgspec.Struct, frozen=True):
+    """What a worker needs to attach to a ring; travels inside the Hello message."""
+
+    name: str
+    capacity: int
+    nonce: int
+    #: The doorbell pipe's write end, as numbered in the worker (passed with pass_fds).
+    doorbell_fd: int
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):

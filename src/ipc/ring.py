@@ -124,6 +124,7 @@ import posix_ipc
 import structlog
 
 from .channel import MAX_FRAME_BYTES, ChannelClosed, ChannelCorrupt
+from .protocol import RingSpec  # the wire schema's; re-exported for the ring's callers
 
 log = structlog.get_logger()
 
@@ -164,16 +165,6 @@ _FLAG_BITS = _MORE | _PAD
 _SEQ_MASK = 0xFFFFFFFF
 _SPIN_BATCH = 32
 _SPIN_CHECK_S = 1e-3  # how often a long spin looks at the doorbell and the close flag
-
-
-class RingSpec(msgspec.Struct, frozen=True):
-    """What a worker needs to attach to a ring; travels inside the Hello message."""
-
-    name: str
-    capacity: int
-    nonce: int
-    #: The doorbell pipe's write end, as numbered in the worker (passed with pass_fds).
-    doorbell_fd: int
 
 
 def _load_region() -> type:

@@ -3,7 +3,7 @@
 A request with ``n`` choices is ``n`` sequences in the engine, each with its
 own sampler, text stream and reply splitter, and one request id. Each
 sequence's listener is a `Choice`, which adds the choice's index and the
-token's log-probability to the events it passes on, and a `Group` makes
+token's log-probability to the events it passes on, and a `ChoiceGroup` makes
 the n of them one request again for the real listener: one ``started``,
 each choice's ``done`` with ``final`` on the last, and on a failure one
 ``failed`` with every later event of the request dropped (the engine
@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..ipc.protocol import Stats, TokenLogprob, ToolCall
 
 
-class Group:
+class ChoiceGroup:
     """The choices of one request, in front of its listener."""
 
     def __init__(self, listener, n: int) -> None:
@@ -30,7 +30,7 @@ class Group:
 class Choice:
     """One choice's listener: `logprob` is set by the engine before each token it emits."""
 
-    def __init__(self, group: Group, index: int) -> None:
+    def __init__(self, group: ChoiceGroup, index: int) -> None:
         self.group = group
         self.index = index
         #: The next token's log-probability (None: not asked), taken by `token`.

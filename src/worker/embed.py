@@ -48,13 +48,8 @@ import numpy as np
 
 from ..ipc.protocol import Capabilities, Embed, EngineOptions, EngineReport, MemoryReport, Stats
 from .embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU, Batcher, Item
-from .engine import (
-    DEFAULT_CONTEXT_LENGTH,
-    BatchStepError,
-    ModelKindError,
-    PromptTooLongError,
-    resolve_model_path,
-)
+from .engine import BatchStepError, ModelKindError, resolve_model_path
+from .prompt import DEFAULT_CONTEXT_LENGTH, PromptTooLongError
 
 #: sentence-transformers' pooling modes that are served, and their names in `Capabilities.embedding`.
 POOLING_MODES = {"lasttoken": "last", "mean_tokens": "mean", "cls_token": "cls"}

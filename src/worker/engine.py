@@ -16,7 +16,8 @@ run one in-process, which is also the native baseline.
 Continuous batching is mlx-lm's `BatchGenerator`: a request joins the running
 batch at the next step and leaves it as soon as it finishes or is cancelled.
 Sampling, logits processors, stop ids and the detokenizer are mlx-lm's, per
-sequence; `sequence.py` holds the little that is written here by hand. A
+sequence; `sequence.py` holds the little that is written here by hand, and
+`prompt.py` (`PromptBuilder`) turns a request into prompt ids within its context. A
 request that fails a check fails alone, before it reaches the batch; a
 failure inside a batch step fails the requests in that batch and the batch
 is rebuilt, with MLX's random state reseeded.
@@ -55,13 +56,11 @@ import time
 from collections import deque
 
 import mlx.core as mx
-import msgspec
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
-    ChatMessage,
     Embed,
     EngineOptions,
     EngineReport,
@@ -71,7 +70,7 @@ from ..ipc.protocol import (
     SamplingParams,
     Stats,
 )
-from .choices import Group
+from .choices import ChoiceGroup
 from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
@@ -79,16 +78,9 @@ from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .limits import auto_prompt_cache_bytes, prefill_steps, prefill_token_cap
 from .logprobs import TokenBytes, token_logprobs
 from .prefix_cache import PrefixCache
+from .prompt import DEFAULT_CONTEXT_LENGTH, PromptBuilder, capabilities, check_request, reasoning_open
 from .prompt_file import load_prompt_file
-from .reply import (
-    capabilities,
-    check_request,
-    make_splitter,
-    reasoning_open,
-    split_emit,
-    template_kwargs,
-    template_message,
-)
+from .reply import make_splitter, split_emit
 from .sequence import (
     Listener,
     Sequence,
@@ -101,23 +93,10 @@ from .sequence import (
 from .solo import Draft, Solo
 
 SYNTHETIC_PREFIX = "synthetic:"
-DEFAULT_CONTEXT_LENGTH = 4096
 WARMUP_PROMPT = "Warm up the kernels."
 #: A warm-up prompt between the quantised matmul's 16- and 64-row tiles: its own 32-row kernel,
 #: compiled on first use (35 s on an H100 for a 4k-token prompt whose last chunk was 26 tokens).
 MID_WARMUP_TOKENS = 24
-#: System prompts whose templated tokens are remembered (a chat's every turn repeats its own).
-MAX_TEMPLATE_HEADS = 32
-#: How far back from a prompt's end a template's opened `<think>` is looked for (as mlx_lm.server does).
-THINK_TAIL_TOKENS = 11
-
-
-class PromptTooLongError(ValueError):
-    """The prompt does not fit in the model's context."""
-
-
-class NoChatTemplateError(ValueError):
-    """Chat messages were sent to a model whose tokenizer has no chat template."""
 
 
 class BatchStepError(RuntimeError):
@@ -134,12 +113,13 @@ def resolve_model_path(model: str) -> str:
     pass others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model
-    from .synthetic import ensure_synthetic, parse_synthetic
+    from ..synthetic.build import ensure_synthetic
+    from ..synthetic.presets import parse_synthetic
 
     return str(ensure_synthetic(parse_synthetic(model[len(SYNTHETIC_PREFIX) :])))
 
 
-class Engine:
+class Engine(PromptBuilder):
     """One loaded model serving many requests in one batch; every method runs on one thread."""
 
     def __init__(
@@ -151,7 +131,7 @@ class Engine:
         group=None,
         prompt_cache_share: int = 1,
     ) -> None:
-        """`group`: this process's rank of a worker group (`group.Group`), or None;
+        """`group`: this process's rank of a worker group (`group.RankGroup`), or None;
         `prompt_cache_share`: how many workers split the auto prompt cache cap (`Hello`'s)."""
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
@@ -327,22 +307,6 @@ class Engine:
         self._seed_prefix_cache()
 
     # -- loading: what the options ask for beyond the model ----------------------
-    def _default_context(self, requested: int | None) -> int:
-        if requested is None:
-            return self.model_context
-        if requested > self.model_context:
-            raise ValueError(f"invalid context_length={requested}: the model's context is "
-                             f"{self.model_context} tokens (max_position_embeddings)")
-        return requested
-
-    def _check_template(self) -> None:
-        """The overriding chat template must render a chat with this tokenizer."""
-        try:
-            self._apply_template([ChatMessage("system", "s"), ChatMessage("user", "u")], None,
-                                 add_generation_prompt=True)
-        except Exception as exc:
-            raise ValueError(f"invalid chat_template: it does not render a chat: {exc}") from None
-
     def _load_draft(self, ref: str, num_draft_tokens: int, policy: str) -> Draft:
         """The draft model, checked against the target: one vocabulary, caches that can be rewound."""
         draft, tokenizer, config = load(resolve_model_path(ref), return_config=True)
@@ -434,89 +398,6 @@ class Engine:
             raise box.error
 
     # -- a request's way in ----------------------------------------------------
-    def prompt_ids(self, req: Generate) -> list[int]:
-        """The request's prompt as token ids: text as is, ids as given, messages templated."""
-        if req.prompt_ids is not None:
-            ids = list(req.prompt_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
-            if bad:
-                raise ValueError(f"prompt_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}")
-        elif req.messages is not None:
-            ids = list(self._apply_template(req.messages, req.chat, add_generation_prompt=True))
-        elif req.prompt is not None:
-            tok = self.tokenizer
-            # Same rule as mlx_lm.stream_generate, so raw prompts tokenize identically.
-            special = tok.bos_token is None or not req.prompt.startswith(tok.bos_token)
-            ids = tok.encode(req.prompt, add_special_tokens=special)
-        else:
-            raise ValueError("request has no prompt, prompt_ids or messages")
-        if not ids:
-            raise ValueError("prompt is empty")
-        ctx = self.request_context(req)
-        if len(ids) >= ctx:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context is {ctx} tokens "
-                                     f"({self._context_source(req)})")
-        return ids
-
-    def request_context(self, req: Generate) -> int:
-        """The request's context in tokens, prompt and reply: its num_ctx, else the model's default."""
-        ctx = req.params.num_ctx
-        if ctx is None:
-            return self.context_length
-        if ctx > self.model_context:
-            raise ValueError(f"invalid num_ctx={ctx}: the model's context is {self.model_context} tokens")
-        return ctx
-
-    def _context_source(self, req: Generate) -> str:
-        if req.params.num_ctx is not None:
-            return "num_ctx"
-        return "context_length" if self.options.context_length is not None else "max_position_embeddings"
-
-    def _apply_template(self, messages, chat, **kwargs) -> list[int]:
-        if not self.tokenizer.has_chat_template:
-            raise NoChatTemplateError(f"model {self.path} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages], **template_kwargs(chat), **kwargs
-        )
-
-    def _system_end(self, req: Generate, ids: list[int]) -> int:
-        """Where the chat's leading system messages end in `ids` (0: none, or not a chat)."""
-        messages = req.messages or []
-        n = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
-        if n == 0 or n == len(messages):
-            return 0
-        head = self._template_head(messages[:n], req.chat)
-        pairs = enumerate(zip(head, ids, strict=False))
-        end = next((i for i, (a, b) in pairs if a != b), min(len(head), len(ids)))
-        return end if 0 < end < len(ids) - 1 else 0
-
-    def _turn_end(self, req: Generate, ids: list[int]) -> int:
-        """Where the chat's next turn stops repeating `ids`, when that is before their last token (0: not).
-
-        A thinking template (Qwen3.5; Qwen3.x with thinking off) ends its generation prompt with a
-        ``<think>`` that it does not render for the same reply in a later turn, so a checkpoint at the
-        prompt's end would never be found again: the "user" checkpoint goes before that tail. Only
-        for caches that cannot be trimmed; a trimmable one is cut back to any shared prefix.
-        """
-        if self.trimmable or not req.messages or self.capabilities.thinking != "think":
-            return 0
-        start = self.tokenizer.rfind_think_start(ids, start=len(ids) - THINK_TAIL_TOKENS)
-        return start if 0 < start < len(ids) - 1 else 0
-
-    def _template_head(self, system: list[ChatMessage], chat) -> list[int]:
-        """The template's tokens for these system messages and an empty user turn (memoised).
-
-        Keyed by the messages and the chat options too: templates render tools into the system turn.
-        """
-        key = (msgspec.msgpack.encode(system), msgspec.msgpack.encode(chat))
-        head = self._heads.get(key)
-        if head is None:
-            head = self._apply_template([*system, ChatMessage("user", "")], chat, add_generation_prompt=False)
-            if len(self._heads) >= MAX_TEMPLATE_HEADS:
-                self._heads.pop(next(iter(self._heads)))
-            self._heads[key] = head
-        return head
-
     def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
         """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`."""
         p = req.params
@@ -525,10 +406,10 @@ class Engine:
         ids = self.prompt_ids(req)
         grammar = self._grammar(req, ids)
         reuse = self.prefix_cache.enabled and req.messages
-        system_end = self._system_end(req, ids) if reuse else 0
+        system_end = self.system_end(req, ids) if reuse else 0
         turn_end = self._turn_end(req, ids) if reuse else 0
         # Only requests that ask for log-probabilities or several choices get the choices' listeners.
-        group = Group(listener, p.n) if p.n > 1 or p.logprobs is not None else None
+        group = ChoiceGroup(listener, p.n) if p.n > 1 or p.logprobs is not None else None
         seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, turn_end=turn_end,
                              queued_at=queued_at, listener=listener if group is None else group.choices[i])
                 for i in range(p.n)]

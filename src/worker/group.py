@@ -71,7 +71,7 @@ from ..ipc.protocol import (
     step_codec,
     worker_codec,
 )
-from .main import Server
+from .serve import Server
 
 #: A step's frame up to this size (with its 4-byte length) costs one all_sum: every decode step's,
 #: and a new request's unless its prompt is long.
@@ -118,7 +118,7 @@ class Watchdog:
                 self._expire(self._what, self._limit)
 
 
-class Group:
+class RankGroup:
     """This process's rank of a worker group, and the collectives the engine's lockstep needs."""
 
     def __init__(self, spec: GroupRank, world, backend: str, log, watchdog: Watchdog) -> None:
@@ -215,7 +215,7 @@ class Lockstep:
     place: the others learn its length only from the head.
     """
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: RankGroup) -> None:
         self._group = group
         self._lead = group.rank == 0
         self._codec = step_codec()
@@ -297,7 +297,7 @@ class LeaderServer(Server):
     """Rank 0's `Server`: each engine step's work goes to every rank (`Lockstep`), and every rank,
     this one included, applies it at the next iteration."""
 
-    def __init__(self, engine, outbox, group: Group) -> None:
+    def __init__(self, engine, outbox, group: RankGroup) -> None:
         super().__init__(engine, outbox)
         self._group = group
 
@@ -380,7 +380,7 @@ def _exit_after_eof(rx: Receiver, log) -> None:
 # -- joining ------------------------------------------------------------------------------------
 
 
-def join(spec: GroupRank, tx: Sender, log) -> Group:
+def join(spec: GroupRank, tx: Sender, log) -> RankGroup:
     """Set what `mlx.launch` would have set, start MLX's backend (within the collective timeout),
     agree on a random seed. Raises `GroupError` when this rank cannot join.
 
@@ -404,7 +404,7 @@ def join(spec: GroupRank, tx: Sender, log) -> Group:
                              f"{world.size()}; the orchestrator meant rank {spec.rank} of {spec.size}")
         from .sequence import share_seeds
 
-        group = Group(spec, world, backend, log, dog)
+        group = RankGroup(spec, world, backend, log, dog)
         share_seeds(group.agree_seed())
         dog.disarm()
         expiry.tx = None  # from now on the orchestrator learns of a timeout from the exit code

@@ -49,7 +49,7 @@ def prompt_tokens(engine: Engine, *, prompt: str | None = None, system: str | No
     req = Generate(id=0, params=SamplingParams(),
                    messages=[ChatMessage("system", system or ""), ChatMessage("user", "Hello.")])
     ids = engine.prompt_ids(req)
-    end = engine._system_end(req, ids)
+    end = engine.system_end(req, ids)
     if not end:
         raise ValueError("this model's chat template puts nothing of the system prompt before the user's "
                          "turn")

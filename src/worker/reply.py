@@ -38,18 +38,12 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from ..ipc.protocol import FORCED_TOOL_FORMATS, Capabilities, ChatMessage, ChatOptions, ToolCall
+from ..ipc.protocol import Capabilities, ChatOptions, ToolCall
+from .prompt import LLAMA3_JSON, PYTHON_TAG, reasoning_open
 
-HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 #: A harmony header longer than this is not one: the model is not writing harmony.
 MAX_HARMONY_HEADER = 160
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
-#: Llama 3.x's tool format: its name in `Capabilities.tools`, the tag that may open a call.
-LLAMA3_JSON = "llama3_json"
-PYTHON_TAG = "<|python_tag|>"
-#: The call format Meta's Llama 3.1/3.2/3.3 templates ask for, in their instruction:
-#: 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}'.
-_LLAMA3_CALL_FORMAT = re.compile(r'\{\s*"name"\s*:[^{}]*"parameters"\s*:')
 #: Between two calls of one reply: a ";" or a newline, with any whitespace around.
 _LLAMA3_SEPARATOR = re.compile(r"\s*[;\n]\s*")
 
@@ -75,67 +69,6 @@ class Parts:
         return self
 
 
-def is_harmony(tokenizer) -> bool:
-    """gpt-oss's harmony format: its tokens in the vocabulary and its channels in the chat template."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    vocab = tokenizer.get_vocab()
-    return all(t in vocab for t in HARMONY_TOKENS) and "<|channel|>" in template
-
-
-def is_llama3_json(tokenizer) -> bool:
-    """Llama 3.1+'s bare-JSON calls: ``<|python_tag|>`` in the vocabulary (Llama 3.0 has none) and the
-    template asking for ``{"name": ..., "parameters": ...}`` (quotes escaped or not)."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    unescaped = template.replace('\\"', '"')  # a template written with double-quoted Jinja strings
-    return PYTHON_TAG in tokenizer.get_vocab() and bool(_LLAMA3_CALL_FORMAT.search(unescaped))
-
-
-def capabilities(tokenizer) -> Capabilities:
-    """What the orchestrator may ask of this model: thinking, its off switch, tool calls."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    if is_harmony(tokenizer):
-        thinking, tools = "harmony", "harmony"
-    else:
-        thinking = "think" if tokenizer.has_thinking else ""
-        parser = tokenizer.tool_parser
-        tools = parser.__module__.rsplit(".", 1)[-1] if tokenizer.has_tool_calling and parser else ""
-        if not tools and not thinking and is_llama3_json(tokenizer):
-            tools = LLAMA3_JSON
-    return Capabilities(
-        chat_template=bool(tokenizer.has_chat_template),
-        thinking=thinking,
-        thinking_switch="enable_thinking" in template,
-        tools=tools,
-    )
-
-
-def template_kwargs(chat: ChatOptions | None) -> dict[str, Any]:
-    """The chat template's keyword arguments: only what was asked, so defaults stay the template's."""
-    if chat is None:
-        return {}
-    kw: dict[str, Any] = {}
-    if chat.tools:
-        kw["tools"] = chat.tools
-    if chat.enable_thinking is not None:
-        kw["enable_thinking"] = chat.enable_thinking
-    if chat.reasoning_effort is not None:
-        kw["reasoning_effort"] = chat.reasoning_effort
-    return kw
-
-
-def check_request(chat: ChatOptions | None, caps: Capabilities, model: str) -> None:
-    """Refuse what the model cannot do (the orchestrator checks first when it knows the capabilities)."""
-    if chat is None:
-        return
-    if chat.wants_thinking and not caps.thinking:
-        raise ValueError(f"model {model} does not support thinking")
-    if chat.tools and not caps.tools:
-        raise ValueError(f"model {model} does not support tools (mlx-lm has no tool-call parser for it)")
-    if chat.forces_call and caps.tools not in FORCED_TOOL_FORMATS:
-        raise ValueError(f"model {model} cannot be forced to call a tool: its tool format {caps.tools!r} "
-                         f"has no grammar (forced: {list(FORCED_TOOL_FORMATS)})")
-
-
 def make_splitter(tokenizer, caps: Capabilities, chat: ChatOptions | None, prompt: list[int]):
     """The splitter for a chat reply to `prompt`, or None when there is nothing to split."""
     tools = chat.tools if chat is not None else []
@@ -149,40 +82,6 @@ def make_splitter(tokenizer, caps: Capabilities, chat: ChatOptions | None, promp
     call = (tokenizer.tool_call_start, tokenizer.tool_call_end) if tools and caps.tools else None
     initial = "reasoning" if reasoning_open(tokenizer, caps, prompt) else "normal"
     return TagSplitter(think=think, call=call, parser=tokenizer.tool_parser, tools=tools, initial=initial)
-
-
-def reasoning_open(tokenizer, caps: Capabilities, prompt: list[int]) -> bool:
-    """Whether the template opened ``<think>`` in the prompt (Qwen3.5, QwQ, ...): the reply starts in
-    its reasoning, as `mlx_lm.server` detects."""
-    if caps.thinking != "think":
-        return False
-    return tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
-
-
-def template_message(m: ChatMessage) -> dict:
-    """A message as chat templates read it: OpenAI's shape, arguments as objects (as mlx_lm.server
-    passes them), reasoning as both `reasoning_content` (Qwen) and `thinking` (gpt-oss)."""
-    out: dict = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
-            for c in m.tool_calls
-        ]
-    if m.reasoning is not None:
-        out["reasoning_content"] = out["thinking"] = m.reasoning
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        out["name"] = m.name
-    return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def split_emit(reply, listener, req_id: int):

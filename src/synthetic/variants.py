@@ -33,16 +33,15 @@ from pathlib import Path
 import mlx.core as mx
 import structlog
 
-from .synthetic import (
-    FORMAT_VERSION,
+from .build import (
     MARKER_FILE,
-    SyntheticRef,
     _install,
     _key_seed,
     _read_marker,
     _write_json,
     ensure_synthetic,
 )
+from .presets import FORMAT_VERSION, SyntheticRef
 
 log = structlog.get_logger("mlxrt.worker")
 

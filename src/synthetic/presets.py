@@ -1,0 +1,376 @@
+"""The synthetic presets: each family's config keys, special tokens and chat template, and each
+preset's shape, dtype and tokenizer size; `synthetic:` model references parsed.
+
+No MLX and no tokenizer library: the orchestrator reads a preset's config and tokenizer key
+here before any worker starts (`orchestrator/options.py`). `build.py` writes the models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from .templates import GEMMA3_TEMPLATE, HARMONY_TEMPLATE, LLAMA3_TEMPLATE, chatml_template
+
+FORMAT_VERSION = 2  # bump when the bytes a (preset, seed) produces change
+EMBED_STD = 0.02  # embeddings, untied lm_head, biases and other 1-D parameters
+
+_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+_QWEN3_SPECIALS = (*_QWEN_SPECIALS, "<tool_response>", "</tool_response>", "<think>", "</think>")
+# Qwen marks its tool and think tags special=False: they stay in decoded text for the parsers.
+_QWEN_TEXT_TAGS = _QWEN3_SPECIALS[3:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one mlx-lm model_type is written: its config keys, special tokens and chat template."""
+
+    model_type: str  # config.json "model_type": the mlx_lm.models module
+    architecture: str  # config.json "architectures"[0], as the published checkpoint has it
+    specials: tuple[str, ...]  # added tokens, given the top ids of the vocabulary in this order
+    eos: tuple[str, ...]  # generation_config.json eos ids, in order; the first is the tokenizer's eos
+    chat_template: str
+    bos: str | None = None  # begins the chat template and every encode(); None: no BOS (Qwen)
+    pad: str | None = None
+    text_tags: tuple[str, ...] = ()  # specials that decode as text (special=False)
+    norm_weight: float = 1.0  # the RMSNorm weight that is the identity: 0.0 where mlx-lm applies 1 + w
+    text_config: str | None = None  # nest the shape under "text_config" with this model_type
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # config keys of every preset
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family(
+        "qwen2", "Qwen2ForCausalLM", _QWEN_SPECIALS, ("<|im_end|>", "<|endoftext|>"),
+        chatml_template(default_system="You are a helpful assistant.", thinking=None),
+        pad="<|endoftext|>", text_tags=_QWEN_TEXT_TAGS, tokenizer_class="Qwen2Tokenizer",
+        defaults={"attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": EMBED_STD,
+                  "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "use_cache": True,
+                  "use_sliding_window": False},
+    ),
+    "llama": Family(
+        "llama", "LlamaForCausalLM",
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+         "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>"),
+        ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"), LLAMA3_TEMPLATE, bos="<|begin_of_text|>",
+        defaults={"attention_bias": False, "hidden_act": "silu", "mlp_bias": False, "rms_norm_eps": 1e-5,
+                  "rope_theta": 500_000.0},
+    ),
+    "qwen3": Family(
+        "qwen3", "Qwen3ForCausalLM", _QWEN3_SPECIALS, ("<|im_end|>", "<|endoftext|>"),
+        chatml_template(default_system=None, thinking="qwen3"),
+        pad="<|endoftext|>", text_tags=_QWEN_TEXT_TAGS, tokenizer_class="Qwen2Tokenizer",
+        defaults={"attention_bias": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                  "rope_theta": 1_000_000.0},
+    ),
+    "qwen3_moe": Family(
+        "qwen3_moe", "Qwen3MoeForCausalLM", _QWEN3_SPECIALS, ("<|im_end|>", "<|endoftext|>"),
+        chatml_template(default_system=None, thinking="qwen3"),
+        pad="<|endoftext|>", text_tags=_QWEN_TEXT_TAGS, tokenizer_class="Qwen2Tokenizer",
+        defaults={"attention_bias": False, "decoder_sparse_step": 1, "hidden_act": "silu",
+                  "mlp_only_layers": [], "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+                  "rope_theta": 1_000_000.0},
+    ),
+    "qwen3_5": Family(
+        "qwen3_5", "Qwen3_5ForConditionalGeneration", _QWEN3_SPECIALS, ("<|im_end|>", "<|endoftext|>"),
+        chatml_template(default_system=None, thinking="qwen3.5"),
+        pad="<|endoftext|>", text_tags=_QWEN_TEXT_TAGS, tokenizer_class="Qwen2Tokenizer",
+        text_config="qwen3_5_text",
+        defaults={"attention_bias": False, "attn_output_gate": True, "hidden_act": "silu",
+                  "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6},
+    ),
+    "gemma3_text": Family(
+        "gemma3_text", "Gemma3ForCausalLM",
+        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+        ("<eos>", "<end_of_turn>"), GEMMA3_TEMPLATE, bos="<bos>", pad="<pad>", norm_weight=0.0,
+        defaults={"hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+                  "rope_local_base_freq": 10_000.0, "rope_theta": 1_000_000.0},
+    ),
+    "gpt_oss": Family(
+        "gpt_oss", "GptOssForCausalLM",
+        ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+         "<|end|>", "<|message|>", "<|call|>"),
+        ("<|return|>", "<|endoftext|>", "<|call|>"), HARMONY_TEMPLATE, bos="<|startoftext|>",
+        pad="<|endoftext|>",
+        defaults={"attention_bias": True, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                  "rope_theta": 150_000.0, "swiglu_limit": 7.0, "tie_word_embeddings": False},
+    ),
+}
+SPECIAL_TOKENS = FAMILIES["qwen2"].specials  # the Qwen2 presets' added tokens (top ids), kept for callers
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One synthetic model: family, shape, storage dtype, quantization and tokenizer size."""
+
+    family: str  # key of FAMILIES
+    shape: dict[str, Any]  # the config keys that size the model, named as mlx-lm's ModelArgs name them
+    vocab_size: int  # rows of the embedding; the tokenizer is padded to exactly this
+    dtype: str  # mlx dtype name of the float tensors (and of the quantization scales)
+    quant_bits: int | None  # None: float weights; 4: affine 4-bit like mlx_lm.convert -q
+    bpe_vocab: int  # target size of the trained BPE, before padding to vocab_size
+    description: str
+    source: str = "synthetic"  # the published config.json the shape copies
+    quant_group_size: int = 64
+    #: An embedding model, written as Qwen3-Embedding ships: its sentence-transformers pooling mode
+    #: (``"lasttoken"``), an EOS appended by the tokenizer, a bare backbone's weights (no ``model.``
+    #: prefix, no head). None: a generative model.
+    embedding: str | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """True for presets stored 4-bit (QuantizedLinear / QuantizedEmbedding after load)."""
+        return self.quant_bits is not None
+
+    @property
+    def fam(self) -> Family:
+        """The preset's Family."""
+        return FAMILIES[self.family]
+
+    @property
+    def tokenizer_key(self) -> tuple:
+        """What decides the tokenizer `make_model` writes: equal keys, equal tokenizers."""
+        fam = self.fam
+        return (FORMAT_VERSION, self.bpe_vocab, self.vocab_size, fam.specials, fam.text_tags, fam.bos)
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """The family's special tokens take the top ids, in the family's order."""
+        specials = self.fam.specials
+        first = self.vocab_size - len(specials)
+        return {tok: first + i for i, tok in enumerate(specials)}
+
+    def quantization(self) -> dict[str, Any] | None:
+        """The top-level "quantization" entry mlx-lm writes into config.json, or None.
+
+        MoE families also get per-layer entries (8-bit routers) from the model's
+        quant_predicate when written; see `_build`.
+        """
+        if self.quant_bits is None:
+            return None
+        return {"group_size": self.quant_group_size, "bits": self.quant_bits, "mode": "affine"}
+
+    def config(self) -> dict[str, Any]:
+        """config.json before quantization, as the family's checkpoint has it (keys sorted)."""
+        fam, ids = self.fam, self.special_ids
+        shape = {**fam.defaults, **self.shape, "vocab_size": self.vocab_size}
+        cfg: dict[str, Any] = {
+            "architectures": [fam.architecture],
+            "bos_token_id": ids[fam.bos or fam.pad or fam.eos[0]],
+            "eos_token_id": ids[fam.eos[0]],
+            "model_type": fam.model_type,
+            "tie_word_embeddings": bool(shape.get("tie_word_embeddings", False)),
+            "torch_dtype": self.dtype,
+        }
+        if fam.text_config is None:
+            cfg.update(shape)
+        else:  # a multimodal checkpoint's language model (vision weights absent)
+            cfg["text_config"] = dict(sorted({**shape, "model_type": fam.text_config}.items()))
+        return dict(sorted(cfg.items()))
+
+
+def _tiny(family: str, description: str, **shape: Any) -> Preset:
+    """A float32 CPU test model: 64 wide, vocab 2048, 512-token context."""
+    base = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 512, "tie_word_embeddings": True}
+    return Preset(family, {**base, **shape}, vocab_size=2048, dtype="float32", quant_bits=None,
+                  bpe_vocab=1024, description=description)
+
+
+def _real(family: str, source: str, vocab_size: int, description: str, **shape: Any) -> Preset:
+    """A published shape, bfloat16 quantized to affine 4-bit group 64: for the GPU machine."""
+    return Preset(family, shape, vocab_size=vocab_size, dtype="bfloat16", quant_bits=4, bpe_vocab=2048,
+                  description=description, source=source)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        "qwen2", {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                  "tie_word_embeddings": True},
+        vocab_size=2048, dtype="float32", quant_bits=None, bpe_vocab=1024,
+        description="tests: sub-ms CPU decode, 512-token context to hit limits cheaply",
+    ),
+    "small": Preset(
+        "qwen2", {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 1024,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                  "tie_word_embeddings": True},
+        vocab_size=8192, dtype="bfloat16", quant_bits=None, bpe_vocab=2048,
+        description="CPU benchmark default: a few ms per decoded token on the MLX CPU backend",
+    ),
+    "tiny-llama": _tiny("llama", "tests: Llama 3 layout, KV caches only", num_hidden_layers=2),
+    "tiny-qwen3": _tiny("qwen3", "tests: Qwen3 with q/k norms, <think> and <tool_call>",
+                        num_hidden_layers=2, head_dim=16),
+    # Qwen3-Embedding's layout (modules.json, last-token pooling, EOS appended, bare backbone weights).
+    "tiny-qwen3-embedding": dataclasses.replace(
+        _tiny("qwen3", "tests: Qwen3-Embedding layout, last-token pooling, L2-normalised",
+              num_hidden_layers=2, head_dim=16), embedding="lasttoken"),
+    "tiny-qwen3-moe": _tiny("qwen3_moe", "tests: Qwen3 MoE, 8 experts top-2",
+                            num_hidden_layers=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=64),
+    # 3 gated-delta (ArraysCache) layers then 1 attention (KVCache) layer, Qwen3.5's 3:1 pattern.
+    "tiny-qwen3.5": _tiny("qwen3_5", "tests: Qwen3.5 hybrid linear attention, ArraysCache + KVCache",
+                          num_hidden_layers=4, head_dim=16, full_attention_interval=4,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                           "partial_rotary_factor": 0.25}),
+    # Sliding, global, sliding, global; a 32-token window so test prompts make the caches rotate.
+    "tiny-gemma3": _tiny("gemma3_text", "tests: Gemma 3 sliding-window layers, RotatingKVCache + KVCache",
+                         num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=32,
+                         sliding_window_pattern=2),
+    "tiny-gpt-oss": _tiny("gpt_oss", "tests: gpt-oss MoE with sinks and sliding windows",
+                          num_hidden_layers=4, intermediate_size=64, head_dim=16, num_local_experts=8,
+                          num_experts_per_tok=2, sliding_window=32, tie_word_embeddings=False,
+                          layer_types=["sliding_attention", "full_attention"] * 2,
+                          rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                        "original_max_position_embeddings": 16, "rope_type": "yarn",
+                                        "truncate": False}),
+    # Qwen/Qwen2.5-0.5B-Instruct config.json
+    "qwen2.5-0.5b-4bit": Preset(
+        "qwen2", {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864,
+                  "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": True},
+        vocab_size=151936, dtype="bfloat16", quant_bits=4, bpe_vocab=2048,
+        description="Qwen2.5-0.5B shape, 4-bit group 64: the GPU benchmark default",
+        source="Qwen/Qwen2.5-0.5B-Instruct config.json",
+    ),
+    # Qwen/Qwen2.5-7B-Instruct config.json
+    "qwen2.5-7b-4bit": Preset(
+        "qwen2", {"hidden_size": 3584, "num_hidden_layers": 28, "intermediate_size": 18944,
+                  "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": False},
+        vocab_size=152064, dtype="bfloat16", quant_bits=4, bpe_vocab=2048,
+        description="Qwen2.5-7B shape, 4-bit group 64: realistic load size and memory",
+        source="Qwen/Qwen2.5-7B-Instruct config.json",
+    ),
+    # meta-llama/Llama-3.1-8B-Instruct config.json
+    "llama3.1-8b-4bit": _real(
+        "llama", "meta-llama/Llama-3.1-8B-Instruct config.json", 128256, "Llama-3.1-8B shape, 4-bit",
+        hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    ),
+    # Qwen/Qwen3-8B config.json
+    "qwen3-8b-4bit": _real(
+        "qwen3", "Qwen/Qwen3-8B config.json", 151936, "Qwen3-8B shape, 4-bit",
+        hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+    ),
+    # Qwen/Qwen3-Embedding-0.6B config.json, bfloat16 as published (not quantised)
+    "qwen3-embedding-0.6b": Preset(
+        "qwen3", {"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072,
+                  "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                  "max_position_embeddings": 32768, "tie_word_embeddings": True},
+        vocab_size=151669, dtype="bfloat16", quant_bits=None, bpe_vocab=2048,
+        description="Qwen3-Embedding-0.6B shape, bfloat16: the GPU embedding benchmark",
+        source="Qwen/Qwen3-Embedding-0.6B config.json", embedding="lasttoken",
+    ),
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3-30b-a3b-4bit": _real(
+        "qwen3_moe", "Qwen/Qwen3-30B-A3B config.json", 151936,
+        "Qwen3-30B-A3B shape, 128 experts top-8, 4-bit",
+        hidden_size=2048, num_hidden_layers=48, intermediate_size=6144, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, max_position_embeddings=40960, tie_word_embeddings=False,
+    ),
+    # Qwen/Qwen3.5-27B config.json "text_config" (the vision tower is not made)
+    "qwen3.5-27b-4bit": _real(
+        "qwen3_5", "Qwen/Qwen3.5-27B config.json (text_config)", 248320, "Qwen3.5-27B shape, 4-bit",
+        hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, full_attention_interval=4, linear_num_key_heads=16,
+        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        max_position_embeddings=262144, tie_word_embeddings=False,
+        rope_parameters={"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                         "partial_rotary_factor": 0.25, "rope_theta": 10_000_000, "rope_type": "default"},
+    ),
+    # google/gemma-3-12b-it config.json "text_config", written as the text-only gemma3_text
+    "gemma3-12b-4bit": _real(
+        "gemma3_text", "google/gemma-3-12b-it config.json (text_config)", 262208, "Gemma-3-12B shape, 4-bit",
+        hidden_size=3840, num_hidden_layers=48, intermediate_size=15360, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024,
+        sliding_window_pattern=6, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"},
+    ),
+    # openai/gpt-oss-20b config.json (published as MXFP4 experts; here affine 4-bit throughout)
+    "gpt-oss-20b-4bit": _real(
+        "gpt_oss", "openai/gpt-oss-20b config.json", 201088, "gpt-oss-20b shape, 32 experts top-4, 4-bit",
+        hidden_size=2880, num_hidden_layers=24, intermediate_size=2880, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, max_position_embeddings=131072,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                      "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; ValueError naming the choices otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown synthetic preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+def default_model_dir(preset: str, seed: int = 0) -> Path:
+    """Cache directory for (preset, seed): $MLXRT_MODELS_DIR or ~/.cache/mlxrt/models."""
+    root = os.environ.get("MLXRT_MODELS_DIR") or Path.home() / ".cache" / "mlxrt" / "models"
+    return Path(root).expanduser() / f"{preset}-s{seed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticRef:
+    """What follows ``synthetic:`` in a model reference: ``PRESET[:SEED][?noise=X&layers=N&vocab=V]``.
+
+    With `noise` or `layers` it names a *variant* of the preset (`variants.py`): its weights each
+    multiplied by ``1 + noise * N(0, 1)``, its first `layers` layers kept; the tokenizer is the
+    preset's, so a variant is a draft model for it whose acceptance `noise` and `layers` control.
+    `vocab` makes the preset with another vocabulary size, and so another tokenizer: that of the
+    family's presets of that size (``synthetic:qwen2.5-0.5b-4bit?vocab=152064`` drafts for
+    ``synthetic:qwen2.5-7b-4bit``).
+    """
+
+    preset: str
+    seed: int = 0
+    noise: float = 0.0
+    layers: int | None = None
+    vocab: int | None = None
+
+    @property
+    def is_variant(self) -> bool:
+        return self.noise != 0.0 or self.layers is not None
+
+
+def parse_synthetic(ref: str) -> SyntheticRef:
+    """Parse ``PRESET[:SEED][?noise=X&layers=N]``; `ValueError` naming what is wrong."""
+    head, _, query = ref.partition("?")
+    preset, _, seed = head.partition(":")
+    try:
+        out = SyntheticRef(preset, int(seed or 0))
+        for item in filter(None, query.split("&")):
+            key, _, value = item.partition("=")
+            if key == "noise":
+                out = dataclasses.replace(out, noise=float(value))
+            elif key == "layers":
+                out = dataclasses.replace(out, layers=int(value))
+            elif key == "vocab":
+                out = dataclasses.replace(out, vocab=int(value))
+            else:
+                raise ValueError(f"unknown key {key!r} (noise, layers, vocab)")
+    except ValueError as exc:
+        raise ValueError(f"invalid synthetic model 'synthetic:{ref}': {exc}") from None
+    if (out.seed < 0 or not 0.0 <= out.noise <= 10.0 or (out.layers is not None and out.layers < 1)
+            or (out.vocab is not None and out.vocab < 256)):
+        raise ValueError(f"invalid synthetic model 'synthetic:{ref}': seed >= 0, noise in [0, 10], "
+                         "layers >= 1, vocab >= 256")
+    return out
+
+
+def synthetic_preset(ref: SyntheticRef) -> Preset:
+    """The preset `ref` is made from (its vocabulary replaced); KeyError for an unknown preset."""
+    spec = PRESETS[ref.preset]
+    return spec if ref.vocab is None else dataclasses.replace(spec, vocab_size=ref.vocab)
