@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import httpx
 import ollama
 import openai
-import psutil
 import pytest
-
-SHM_GLOB = "/dev/shm/mlxrt-*"
-TRANSPORTS = ["stdio", "ring"]
+from support import SCRIPT, SHM_GLOB, child_pids, created_here, still_alive
 
 
 @pytest.fixture(scope="session")
@@ -31,36 +29,16 @@ def reference(tiny_model):
     return load(tiny_model)
 
 
-def created_here(path: str, pid: int | None = None) -> bool:
-    """True if the ring header at `path` names this process (or `pid`) as its creator.
-
-    Other programs on the machine may use rings at the same time; only ours count.
-    """
-    from mlxrt.ipc import ring
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(ring._IDENTITY.size)
-    except OSError:
-        return False
-    if len(head) < ring._IDENTITY.size:
-        return False  # being created by someone right now: not a leak of ours
-    return ring._IDENTITY.unpack(head)[ring._CREATOR_PID // 8] == (pid or os.getpid())
-
-
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _live(pids: set[int]) -> list[psutil.Process]:
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+@pytest.fixture(scope="module")
+def scripted_env():
+    """The scripted worker's script (support.SCRIPT), in the environment the workers inherit."""
+    old = os.environ.get("SCRIPTED_REPLIES")
+    os.environ["SCRIPTED_REPLIES"] = json.dumps(SCRIPT)
+    yield
+    if old is None:
+        del os.environ["SCRIPTED_REPLIES"]
+    else:
+        os.environ["SCRIPTED_REPLIES"] = old
 
 
 @pytest.fixture(autouse=True)
@@ -71,9 +49,9 @@ def no_leaks():
     when their own fixture closes them, by `assert_stopped`.
     """
     before = set(glob.glob(SHM_GLOB))
-    kids_before = _children()
+    kids_before = child_pids()
     yield
-    alive = _live(_children() - kids_before)
+    alive = still_alive(child_pids() - kids_before)
     for p in alive:
         p.kill()
     assert not alive, f"processes outlived the test: {[p.pid for p in alive]}"
@@ -81,14 +59,6 @@ def no_leaks():
     for path in leaked:
         os.unlink(path)
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
-
-
-def assert_stopped(pids: list[int]) -> None:
-    """Fail if any of `pids` is still running (after a grace period)."""
-    alive = _live(set(pids))
-    for p in alive:
-        p.kill()
-    assert not alive, f"workers outlived their runtime: {[p.pid for p in alive]}"
 
 
 # ---- clients of a module's `srv` (a ServerThread fixture each HTTP test module defines) ----

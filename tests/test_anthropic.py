@@ -15,8 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from mlxrt.orchestrator.http import ServerConfig
-from test_http import metric, running
-from test_tools_http import SCRIPTED, THINKERS, scripted_env  # noqa: F401 -- scripted_env is a fixture
+from support import SCRIPTED, THINKERS, metric, running
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]

@@ -15,7 +15,7 @@ from mlxrt import Runtime
 from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.synthetic import ensure_model
-from test_http import running
+from support import running
 
 PROMPT = "The tide came in over the rocks and the gulls rose"
 SYSTEM = [ChatMessage("system", "You are a careful assistant who answers briefly."),

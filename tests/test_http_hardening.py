@@ -15,7 +15,7 @@ import ollama
 import pytest
 from mlxrt.orchestrator.http import ServerConfig
 from mlxrt.orchestrator.http.body import MAX_JSON_DEPTH
-from test_http import running
+from support import running
 
 SMALL_LIMIT = 64 * 1024  #: the body limit of the small-limit server
 VOCAB = 2048  #: the tiny model's vocabulary size

@@ -18,7 +18,7 @@ from mlxrt import Runtime
 from mlxrt.ipc.protocol import MAX_TOP_LOGPROBS, EngineOptions, Generate, SamplingParams
 from mlxrt.worker import engine as engine_module
 from mlxrt.worker.engine import Engine
-from test_http import running
+from support import running
 
 PROMPTS = ["Hello", "The tide came in over the rocks", "Give me a list of colours"]
 ATOL = 2e-3  # float32 tiny model: the batch's padded attention and a full forward pass differ slightly

@@ -309,7 +309,7 @@ def test_context_length_default_and_num_ctx(tiny_model):
 def test_ollama_num_ctx_is_enforced_with_a_400(tiny_model):
     """Ollama's options.num_ctx: beyond the model's context, or shorter than the prompt, is a 400."""
     import httpx
-    from test_http import running
+    from support import running
 
     with running({"tiny": tiny_model}) as srv:
         body = {"model": "tiny", "prompt": "Hello there", "raw": True, "stream": False}

@@ -17,10 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import assert_stopped
 from pydantic import BaseModel, Field
-from test_http import NO_RESTART, ServerThread, metric, running
-from test_tools_http import SCRIPTED, THINKERS, scripted_env  # noqa: F401 -- scripted_env is a fixture
+from support import NO_RESTART, SCRIPTED, THINKERS, ServerThread, assert_stopped, metric, running
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]

@@ -23,8 +23,8 @@ from mlxrt import Grammar, Runtime
 from mlxrt.ipc.protocol import GRAMMAR_DEAD_END, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import Constraint
-from test_engine import run_batch as run
-from test_http import running
+from support import run_batch as run
+from support import running
 
 S = {"type": "string", "maxLength": 8}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
