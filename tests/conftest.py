@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny synthetic model, an in-process reference, leak checks."""
+"""Shared fixtures: the tiny synthetic model, an in-process reference, the servers HTTP tests share,
+leak checks. Helpers live in support.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import httpx
 import ollama
 import openai
 import pytest
-from support import SCRIPT, SHM_GLOB, child_pids, created_here, still_alive
+from support import SCRIPT, SCRIPTED, SHM_GLOB, child_pids, created_here, running, still_alive
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +30,7 @@ def reference(tiny_model):
     return load(tiny_model)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scripted_env():
     """The scripted worker's script (support.SCRIPT), in the environment the workers inherit."""
     old = os.environ.get("SCRIPTED_REPLIES")
@@ -41,11 +42,35 @@ def scripted_env():
         os.environ["SCRIPTED_REPLIES"] = old
 
 
+# Names the HTTP tests use; "tiny" and "qwen2.5" are both the tiny preset (test_anthropic and test_responses
+# send "tiny" prompts no marker matches; test_tools_http calls the same model "qwen2.5").
+SCRIPTED_PRESETS = {"tiny": "tiny", "qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny",
+                    "llama": "tiny-llama", "gemma3": "tiny-gemma3"}
+
+
+@pytest.fixture(scope="session")
+def scripted_server(scripted_env):
+    """One server over scripted workers of five families, shared by the modules that only send it requests;
+    its workers are checked gone when the session ends."""
+    from mlxrt.worker.synthetic import ensure_model
+
+    with running({n: str(ensure_model(p)) for n, p in SCRIPTED_PRESETS.items()}, _worker_argv=SCRIPTED) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def srv(tiny_model):
+    """One server on the tiny model (named "tiny"), shared by the modules that only send it requests
+    (a module that needs another server defines its own `srv`); its workers are checked gone at the end."""
+    with running({"tiny": tiny_model}) as s:
+        yield s
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Every test must leave no process it started and no shared-memory segment behind.
 
-    Processes of module-scoped fixtures (started before the test) are checked
+    Processes of module- and session-scoped fixtures (started before the test) are checked
     when their own fixture closes them, by `assert_stopped`.
     """
     before = set(glob.glob(SHM_GLOB))
@@ -61,7 +86,7 @@ def no_leaks():
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
 
 
-# ---- clients of a module's `srv` (a ServerThread fixture each HTTP test module defines) ----
+# ---- clients of `srv` (the session's tiny server, or the ServerThread a module defines) ----
 
 @pytest.fixture(scope="module")
 def http(srv):

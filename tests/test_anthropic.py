@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from mlxrt.orchestrator.http import ServerConfig
-from support import SCRIPTED, THINKERS, metric, running
+from support import THINKERS, metric
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]
@@ -25,13 +25,9 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 
 
 @pytest.fixture(scope="module")
-def srv(scripted_env):  # noqa: F811
-    """One server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss."""
-    from mlxrt.worker.synthetic import ensure_model
-
-    presets = {"tiny": "tiny", "qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss"}
-    with running({n: str(ensure_model(p)) for n, p in presets.items()}, _worker_argv=SCRIPTED) as s:
-        yield s
+def srv(scripted_server):
+    """The session's scripted server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss, and more."""
+    return scripted_server
 
 
 @pytest.fixture(scope="module")

@@ -23,19 +23,12 @@ from mlxrt import Timeouts
 from mlxrt.orchestrator.http import ServerConfig
 from mlxrt.orchestrator.http.ollama import parse_keep_alive
 from mlxrt.orchestrator.http.server import parse_model_specs
-from support import NO_RESTART, ServerThread, assert_stopped, metric, native_tokens, running, sse_events
+from support import NO_RESTART, ServerThread, assert_stopped, metric, native_tokens, sse_events
 
 PROMPT_IDS = [5, 17, 42, 99, 3, 250]
 CHAT = [{"role": "user", "content": "Tell me about the weather."}]
 OK_STATUSES = {200, 400, 404, 413}
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    """One server on the tiny model (named "tiny") for this module's tests."""
-    with running({"tiny": tiny_model}) as s:
-        yield s
 
 
 # ---- OpenAI ----------------------------------------------------------------

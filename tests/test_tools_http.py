@@ -23,7 +23,6 @@ from support import (
     THINKERS,
     THOUGHT,
     assert_stopped,
-    running,
     sse_events,
 )
 
@@ -34,15 +33,9 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def srv(scripted_env):
-    """One server over scripted workers of five families."""
-    from mlxrt.worker.synthetic import ensure_model
-
-    presets = {"qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny", "llama": "tiny-llama",
-               "gemma3": "tiny-gemma3"}
-    models = {name: str(ensure_model(preset)) for name, preset in presets.items()}
-    with running(models, _worker_argv=SCRIPTED) as s:
-        yield s
+def srv(scripted_server):
+    """The session's scripted server: Qwen3, gpt-oss, Qwen2.5, Llama and Gemma 3 (and `tiny`)."""
+    return scripted_server
 
 
 def streamed(oai, **kw):
