@@ -1,18 +1,17 @@
-"""Shared fixtures: the tiny synthetic model, an in-process reference, leak checks."""
+"""Shared fixtures: the tiny synthetic model, an in-process reference, the servers HTTP tests share,
+leak checks. Helpers live in support.py."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import httpx
 import ollama
 import openai
-import psutil
 import pytest
-
-SHM_GLOB = "/dev/shm/mlxrt-*"
-TRANSPORTS = ["stdio", "ring"]
+from support import SCRIPT, SCRIPTED, SHM_GLOB, child_pids, created_here, running, still_alive
 
 
 @pytest.fixture(scope="session")
@@ -31,49 +30,53 @@ def reference(tiny_model):
     return load(tiny_model)
 
 
-def created_here(path: str, pid: int | None = None) -> bool:
-    """True if the ring header at `path` names this process (or `pid`) as its creator.
-
-    Other programs on the machine may use rings at the same time; only ours count.
-    """
-    from mlxrt.ipc import ring
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(ring._IDENTITY.size)
-    except OSError:
-        return False
-    if len(head) < ring._IDENTITY.size:
-        return False  # being created by someone right now: not a leak of ours
-    return ring._IDENTITY.unpack(head)[ring._CREATOR_PID // 8] == (pid or os.getpid())
+@pytest.fixture(scope="session")
+def scripted_env():
+    """The scripted worker's script (support.SCRIPT), in the environment the workers inherit."""
+    old = os.environ.get("SCRIPTED_REPLIES")
+    os.environ["SCRIPTED_REPLIES"] = json.dumps(SCRIPT)
+    yield
+    if old is None:
+        del os.environ["SCRIPTED_REPLIES"]
+    else:
+        os.environ["SCRIPTED_REPLIES"] = old
 
 
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+# Names the HTTP tests use; "tiny" and "qwen2.5" are both the tiny preset (test_anthropic and test_responses
+# send "tiny" prompts no marker matches; test_tools_http calls the same model "qwen2.5").
+SCRIPTED_PRESETS = {"tiny": "tiny", "qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny",
+                    "llama": "tiny-llama", "gemma3": "tiny-gemma3"}
 
 
-def _live(pids: set[int]) -> list[psutil.Process]:
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+@pytest.fixture(scope="session")
+def scripted_server(scripted_env):
+    """One server over scripted workers of five families, shared by the modules that only send it requests;
+    its workers are checked gone when the session ends."""
+    from mlxrt.synthetic.build import ensure_model
+
+    with running({n: str(ensure_model(p)) for n, p in SCRIPTED_PRESETS.items()}, _worker_argv=SCRIPTED) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def srv(tiny_model):
+    """One server on the tiny model (named "tiny"), shared by the modules that only send it requests
+    (a module that needs another server defines its own `srv`); its workers are checked gone at the end."""
+    with running({"tiny": tiny_model}) as s:
+        yield s
 
 
 @pytest.fixture(autouse=True)
 def no_leaks():
     """Every test must leave no process it started and no shared-memory segment behind.
 
-    Processes of module-scoped fixtures (started before the test) are checked
+    Processes of module- and session-scoped fixtures (started before the test) are checked
     when their own fixture closes them, by `assert_stopped`.
     """
     before = set(glob.glob(SHM_GLOB))
-    kids_before = _children()
+    kids_before = child_pids()
     yield
-    alive = _live(_children() - kids_before)
+    alive = still_alive(child_pids() - kids_before)
     for p in alive:
         p.kill()
     assert not alive, f"processes outlived the test: {[p.pid for p in alive]}"
@@ -83,15 +86,7 @@ def no_leaks():
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
 
 
-def assert_stopped(pids: list[int]) -> None:
-    """Fail if any of `pids` is still running (after a grace period)."""
-    alive = _live(set(pids))
-    for p in alive:
-        p.kill()
-    assert not alive, f"workers outlived their runtime: {[p.pid for p in alive]}"
-
-
-# ---- clients of a module's `srv` (a ServerThread fixture each HTTP test module defines) ----
+# ---- clients of `srv` (the session's tiny server, or the ServerThread a module defines) ----
 
 @pytest.fixture(scope="module")
 def http(srv):

@@ -15,8 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from mlxrt.orchestrator.http import ServerConfig
-from test_http import metric, running
-from test_tools_http import SCRIPTED, THINKERS, scripted_env  # noqa: F401 -- scripted_env is a fixture
+from support import THINKERS, metric
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY}]
@@ -26,13 +25,9 @@ GREEDY = {"temperature": 0}  # this client has no temperature argument; the API 
 
 
 @pytest.fixture(scope="module")
-def srv(scripted_env):  # noqa: F811
-    """One server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss."""
-    from mlxrt.synthetic.build import ensure_model
-
-    presets = {"tiny": "tiny", "qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss"}
-    with running({n: str(ensure_model(p)) for n, p in presets.items()}, _worker_argv=SCRIPTED) as s:
-        yield s
+def srv(scripted_server):
+    """The session's scripted server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss, and more."""
+    return scripted_server
 
 
 @pytest.fixture(scope="module")

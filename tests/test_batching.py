@@ -9,10 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import TRANSPORTS, assert_stopped
 from mlxrt import RequestError, Runtime, WorkerDied
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.worker.limits import auto_prompt_cache_bytes
+from support import TRANSPORTS, assert_stopped
 
 SYSTEM = "You are a patient assistant who explains the tides, the wind and the stars. " * 5
 REQUESTS = [

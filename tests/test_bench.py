@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from support import run_of
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the checkout, not an installed package
@@ -422,11 +423,6 @@ def test_native_batch_gives_each_prompt_its_own_greedy_tokens(tiny_model, refere
         tokenizer.eos_token_ids = eos
     assert [r.tokens for r in runs] == want
     assert all(r.n_tokens == 6 and r.ttft_ms > 0 and r.ended_at >= r.started_at for r in runs)
-
-
-def run_of(tokens):
-    """A measured run that emitted `tokens` (the figures are placeholders)."""
-    return measure.Run(tokens=tokens, prompt_tokens=1, ttft_ms=1.0, decode_tps=1.0, total_s=1.0)
 
 
 class _NativeByPrompt:

@@ -15,7 +15,6 @@ from mlxrt import Runtime
 from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
 from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
-from test_http import running
 
 PROMPT = "The tide came in over the rocks and the gulls rose"
 SYSTEM = [ChatMessage("system", "You are a careful assistant who answers briefly."),
@@ -186,12 +185,6 @@ def test_choices_with_logprobs(engine):
 
 
 # ---- over HTTP, and the Python API -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    with running({"tiny": tiny_model}) as s:
-        yield s
 
 
 CHAT = [{"role": "user", "content": "Tell me about the tide"}]

@@ -13,13 +13,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_stopped
 from mlxrt import AsyncRuntime, Runtime
 from mlxrt.ipc.protocol import Embed, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.embed import Embedder, EmbeddingSpec, embedding_spec
 from mlxrt.worker.embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU
 from mlxrt.worker.engine import ModelKindError
-from test_http import running
+from support import assert_stopped, running
 
 TEXTS = ["The river ran past the old mill.", "Boats", "The morning train left the station at dawn",
          "Children watched the boats go by while the baker opened his door and the bells rang"]

@@ -7,85 +7,12 @@ identity and a chat with cached turns, on the tiny preset of each family.
 from __future__ import annotations
 
 import pytest
-from mlxrt.ipc.protocol import ChatMessage, EngineOptions, Generate, SamplingParams
+from mlxrt.ipc.protocol import EngineOptions, Generate
 from mlxrt.synthetic.presets import PRESETS
 from mlxrt.worker.engine import Engine
+from support import Recorder, chat, gen, run_alone, run_batch, run_handed_over
 
 FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding)
-
-SYSTEM = "You answer questions about the weather, the sea and the mountains, at length. " * 5
-
-
-class Recorder:
-    """A listener that keeps every request's ids, text and end."""
-
-    def __init__(self) -> None:
-        self.ids: dict[int, list[int]] = {}
-        self.text: dict[int, str] = {}
-        self.stats: dict = {}
-        self.errors: dict[int, BaseException] = {}
-        self.started_ids: list[int] = []
-        self.events: list[tuple[str, int]] = []  # ("started" | "token", id), in order
-
-    def started(self, req_id: int) -> None:
-        self.started_ids.append(req_id)
-        self.events.append(("started", req_id))
-
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, **extra) -> None:
-        self.ids.setdefault(req_id, []).append(token)
-        self.text[req_id] = self.text.get(req_id, "") + text
-        self.events.append(("token", req_id))
-
-    def done(self, req_id: int, stats, text: str, reasoning: str = "", calls=None, **extra) -> None:
-        self.text[req_id] = self.text.get(req_id, "") + text
-        self.stats[req_id] = stats
-
-    def failed(self, req_id: int, exc: BaseException) -> None:
-        self.errors[req_id] = exc
-
-
-def run_handed_over(engine: Engine, first: Generate, second: Generate, after: int) -> Recorder:
-    """`first` alone for `after` steps (on the fast path), then `second` arrives; run both to the end."""
-    rec = Recorder()
-    engine.submit(first, rec)
-    for _ in range(after):
-        engine.step()
-    assert engine._solo is not None
-    engine.submit(second, rec)
-    while engine.busy:
-        engine.step()
-    return rec
-
-
-def run_batch(engine: Engine, reqs: list[Generate]) -> Recorder:
-    """Submit every request at once and step the engine until all have ended."""
-    rec = Recorder()
-    for r in reqs:
-        engine.submit(r, rec)
-    while engine.busy:
-        engine.step()
-    return rec
-
-
-def run_alone(engine: Engine, req: Generate) -> tuple[list[int], object]:
-    rec = run_batch(engine, [req])
-    if req.id in rec.errors:
-        raise rec.errors[req.id]
-    return rec.ids.get(req.id, []), rec.stats[req.id]
-
-
-def gen(i: int, prompt=None, *, messages=None, ids=None, **params) -> Generate:
-    params.setdefault("max_tokens", 16)
-    params.setdefault("ignore_eos", True)
-    return Generate(id=i, prompt=prompt, prompt_ids=ids, messages=messages, params=SamplingParams(**params))
-
-
-def chat(*turns: str, system: str = SYSTEM) -> list[ChatMessage]:
-    msgs = [ChatMessage("system", system)]
-    for i, t in enumerate(turns):
-        msgs.append(ChatMessage("user" if i % 2 == 0 else "assistant", t))
-    return msgs
-
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def engines(request):

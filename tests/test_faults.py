@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import TRANSPORTS, created_here
 from mlxrt import (
     ChannelError,
     MlxrtTimeout,
@@ -22,27 +21,9 @@ from mlxrt import (
     Timeouts,
     WorkerDied,
 )
+from support import TRANSPORTS, created_here, run_with_deadline
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
-
-
-def run_with_deadline(fn, seconds: float):
-    """Run fn in a thread; fail the test if it has not returned or raised after `seconds`."""
-    box: dict = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # handed back to the test
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still waiting after {seconds} s: a hang"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 def test_unknown_model_path_is_a_clear_error():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_bench import run_of
+from support import run_of
 
 from benchmarks.gate import MIN_TOLERANCE, Gate, deficits, first_divergence
 

@@ -13,14 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from conftest import assert_stopped
 from mlxrt import Group, ModelLoadError, ModelSpec, Runtime, Supervision, Timeouts, WorkerDied
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.orchestrator.launch import GroupPlan, HostEntry
 from mlxrt.orchestrator.runtime import build_request
 from mlxrt.worker.engine import Engine
-from test_engine import run_batch
-from test_faults import run_with_deadline
+from support import assert_stopped, run_batch, run_with_deadline
 
 REQUESTS = [
     ("Once upon a time", {"max_tokens": 20}),

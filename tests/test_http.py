@@ -3,15 +3,12 @@ driven by the official openai and ollama clients and by raw HTTP."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,155 +17,18 @@ import msgspec
 import ollama
 import openai
 import pytest
-import uvicorn
-from conftest import assert_stopped
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from mlx_lm import stream_generate
-from mlxrt import AsyncRuntime, Timeouts
+from mlxrt import Timeouts
 from mlxrt.orchestrator.http import ServerConfig
-from mlxrt.orchestrator.http.app import create_app
 from mlxrt.orchestrator.http.ollama import parse_keep_alive
 from mlxrt.orchestrator.http.server import parse_model_specs
-
-try:  # the supervisor restarts dead workers; the 503 case needs it not to
-    from mlxrt.orchestrator.config import Supervision
-
-    NO_RESTART: dict = {"supervision": Supervision(restart=False)}
-except ImportError:  # before the supervisor: dead workers stay dead
-    NO_RESTART = {}
+from support import NO_RESTART, ServerThread, assert_stopped, metric, native_tokens, sse_events
 
 PROMPT_IDS = [5, 17, 42, 99, 3, 250]
 CHAT = [{"role": "user", "content": "Tell me about the weather."}]
 OK_STATUSES = {200, 400, 404, 413}
 FAKE_WORKER = [sys.executable, str(Path(__file__).with_name("fake_worker.py"))]
-
-
-class ServerThread:
-    """An `AsyncRuntime` and uvicorn servers over it, on an event loop in a thread of this process."""
-
-    def __init__(self, models: dict[str, str], **runtime_kw) -> None:
-        self.models = models
-        self.runtime_kw = {"transport": "stdio", **runtime_kw}
-        self.rt: AsyncRuntime | None = None
-        self.servers: list[uvicorn.Server] = []
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._main, name="http-test-server", daemon=True)
-
-    def start(self, config: ServerConfig | None = None) -> str:
-        self._thread.start()
-        if not self._ready.wait(120) or self._error is not None:
-            raise RuntimeError(f"server did not start: {self._error!r}")
-        return self.serve(config or ServerConfig())
-
-    def serve(self, config: ServerConfig, *, model_refs: dict[str, str] | None = None) -> str:
-        """Start one more server (its own config, and `model_refs` if given) over the same runtime;
-        return its base URL."""
-        fut = asyncio.run_coroutine_threadsafe(self._serve(config, model_refs or self.models), self._loop)
-        return fut.result(30)
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.should_exit = True
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
-        self._thread.join(60)
-        assert not self._thread.is_alive(), "server thread did not stop"
-
-    @property
-    def pids(self) -> list[int]:
-        return [w.pid for w in self.rt.workers]
-
-    def _main(self) -> None:
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stopping = asyncio.Event()
-            try:
-                self.rt = await AsyncRuntime(models=self.models, **self.runtime_kw).start()
-            except BaseException as exc:
-                self._error = exc
-                self._ready.set()
-                return
-            self._ready.set()
-            try:
-                await self._stopping.wait()
-                await asyncio.gather(*self._tasks)
-            finally:
-                await self.rt.close()
-
-        self._tasks: list[asyncio.Task] = []
-        asyncio.run(main())
-
-    async def _serve(self, config: ServerConfig, model_refs: dict[str, str]) -> str:
-        app = create_app(self.rt, config, model_refs=model_refs)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                               lifespan="off", access_log=False,
-                                               timeout_graceful_shutdown=2))
-        self.servers.append(server)
-        self._tasks.append(asyncio.ensure_future(server.serve()))
-        while not server.started:
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-
-@contextlib.contextmanager
-def running(models: dict[str, str], **kwargs):
-    """A started `ServerThread` on `models`; stopped on exit, its workers checked gone."""
-    s = ServerThread(models, **kwargs)
-    s.url = s.start()
-    pids = s.pids
-    yield s
-    s.stop()
-    assert_stopped(pids)
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    """One server on the tiny model (named "tiny") for this module's tests."""
-    with running({"tiny": tiny_model}) as s:
-        yield s
-
-
-def native_tokens(reference, prompt, max_tokens: int) -> list[int]:
-    """What in-process mlx-lm generates greedily for `prompt`, EOS ignored."""
-    model, tokenizer = reference
-    saved = tokenizer.eos_token_ids
-    tokenizer.eos_token_ids = set()
-    try:
-        return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
-    finally:
-        tokenizer.eos_token_ids = saved
-
-
-def sse_events(resp: httpx.Response) -> list:
-    """The ``data:`` payloads of an SSE response, decoded; ``[DONE]`` kept as the string."""
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
-
-
-def metric(http: httpx.Client, name: str, **labels: str) -> float:
-    """One sample of /metrics (0 if absent)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-    for line in http.get("/metrics").text.splitlines():
-        if not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            if key == want or (labels and _same_sample(key, name, labels)):
-                return float(value)
-    return 0.0
-
-
-def _same_sample(key: str, name: str, labels: dict[str, str]) -> bool:
-    if not key.startswith(name + "{"):
-        return False
-    pairs = dict(p.split("=", 1) for p in key[len(name) + 1 : -1].split(","))
-    return {k: v.strip('"') for k, v in pairs.items()} == labels
 
 
 # ---- OpenAI ----------------------------------------------------------------

@@ -15,7 +15,6 @@ import ollama
 import pytest
 from mlxrt.orchestrator.http import ServerConfig
 from mlxrt.orchestrator.http.body import MAX_JSON_DEPTH
-from test_http import running
 
 SMALL_LIMIT = 64 * 1024  #: the body limit of the small-limit server
 VOCAB = 2048  #: the tiny model's vocabulary size
@@ -27,13 +26,6 @@ GENERATE = {
     "/api/chat": b'{"model": "tiny", "options": {"num_predict": 2}, "stream": false, '
                  b'"messages": [{"role": "user", "content": %s}]}',
 }
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    """One runtime on the tiny model (named "tiny") with a server of default settings."""
-    with running({"tiny": tiny_model}) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

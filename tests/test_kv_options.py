@@ -9,7 +9,7 @@ import pytest
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.kvcache import is_quantized
-from test_engine import Recorder, gen, run_alone, run_batch
+from support import Recorder, gen, run_alone, run_batch
 
 #: Teacher forcing on `small` (bfloat16, head size 64): 64 prompt tokens, then 128 forced ones.
 PROMPT_TOKENS, FORCED_TOKENS = 64, 128

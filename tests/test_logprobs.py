@@ -18,7 +18,6 @@ from mlxrt import Runtime
 from mlxrt.ipc.protocol import MAX_TOP_LOGPROBS, EngineOptions, Generate, SamplingParams
 from mlxrt.worker import engine as engine_module
 from mlxrt.worker.engine import Engine
-from test_http import running
 
 PROMPTS = ["Hello", "The tide came in over the rocks", "Give me a list of colours"]
 ATOL = 2e-3  # float32 tiny model: the batch's padded attention and a full forward pass differ slightly
@@ -176,12 +175,6 @@ def test_logprobs_are_after_the_processors(engine):
 
 
 # ---- over HTTP, and the Python API -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    with running({"tiny": tiny_model}) as s:
-        yield s
 
 
 CHAT = [{"role": "user", "content": "Tell me about the tide"}]

@@ -310,21 +310,19 @@ def test_context_length_default_and_num_ctx(tiny_model):
             rt.generate(long_prompt, num_ctx=16)
 
 
-def test_ollama_num_ctx_is_enforced_with_a_400(tiny_model):
+def test_ollama_num_ctx_is_enforced_with_a_400(srv):
     """Ollama's options.num_ctx: beyond the model's context, or shorter than the prompt, is a 400."""
     import httpx
-    from test_http import running
 
-    with running({"tiny": tiny_model}) as srv:
-        body = {"model": "tiny", "prompt": "Hello there", "raw": True, "stream": False}
-        r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 4096}}, timeout=60)
-        assert r.status_code == 400 and "options.num_ctx" in r.json()["error"] and "512" in r.json()["error"]
-        r = httpx.post(srv.url + "/api/generate", json={**body, "prompt": "word " * 40,
-                                                        "options": {"num_ctx": 8}}, timeout=60)
-        assert r.status_code == 400 and "the context is 8 tokens (num_ctx)" in r.json()["error"]
-        r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 8, "num_predict": -1}},
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["prompt_eval_count"] + r.json()["eval_count"] <= 8
+    body = {"model": "tiny", "prompt": "Hello there", "raw": True, "stream": False}
+    r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 4096}}, timeout=60)
+    assert r.status_code == 400 and "options.num_ctx" in r.json()["error"] and "512" in r.json()["error"]
+    r = httpx.post(srv.url + "/api/generate", json={**body, "prompt": "word " * 40,
+                                                    "options": {"num_ctx": 8}}, timeout=60)
+    assert r.status_code == 400 and "the context is 8 tokens (num_ctx)" in r.json()["error"]
+    r = httpx.post(srv.url + "/api/generate", json={**body, "options": {"num_ctx": 8, "num_predict": -1}},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] + r.json()["eval_count"] <= 8
 
 
 def test_make_model_writes_a_draft_variant(tmp_path):

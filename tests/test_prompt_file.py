@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from mlxrt import ModelLoadError, ModelSpec, Runtime
-from test_runtime import native_tokens
+from support import native_tokens
 
 SYSTEM = "You are a patient guide to the tides, the weather and the mountains. " * 6
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When is high tide?"}]

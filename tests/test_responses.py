@@ -17,10 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import assert_stopped
 from pydantic import BaseModel, Field
-from test_http import NO_RESTART, ServerThread, metric, running
-from test_tools_http import SCRIPTED, THINKERS, scripted_env  # noqa: F401 -- scripted_env is a fixture
+from support import NO_RESTART, THINKERS, ServerThread, assert_stopped, metric
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -28,13 +26,9 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def srv(scripted_env):  # noqa: F811
-    """One server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss."""
-    from mlxrt.synthetic.build import ensure_model
-
-    presets = {"tiny": "tiny", "qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss"}
-    with running({n: str(ensure_model(p)) for n, p in presets.items()}, _worker_argv=SCRIPTED) as s:
-        yield s
+def srv(scripted_server):
+    """The session's scripted server: `tiny` (unscripted prompts), scripted Qwen3 and gpt-oss, and more."""
+    return scripted_server
 
 
 def items(response) -> list[tuple]:

@@ -8,9 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import TRANSPORTS, assert_stopped
-from mlx_lm import stream_generate
 from mlxrt import AsyncRuntime, InvalidField, Request, RequestError, Runtime
+from support import TRANSPORTS, assert_stopped, native_tokens
 
 PROMPTS = [
     "The quick brown fox",
@@ -30,21 +29,6 @@ def rt(request, tiny_model):
     yield runtime
     runtime.close()
     assert_stopped(pids)
-
-
-def native_tokens(reference, prompt, max_tokens: int, ignore_eos: bool) -> list[int]:
-    """What in-process mlx-lm generates greedily for `prompt`."""
-    model, tokenizer = reference
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-    saved = tokenizer.eos_token_ids
-    if ignore_eos:
-        tokenizer.eos_token_ids = set()
-    try:
-        return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
-                if r.finish_reason != "stop"]
-    finally:
-        tokenizer.eos_token_ids = saved
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["text", "text2", "ids", "chat", "chat-system"])

@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_stopped
 from mlxrt import Runtime, Supervision
-from test_faults import run_with_deadline
-from test_supervisor import FAST, wait_for
+from support import FAST, assert_stopped, run_with_deadline, wait_for
 
 GATED = [sys.executable, str(Path(__file__).with_name("gated_worker.py"))]
 

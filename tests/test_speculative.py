@@ -11,7 +11,7 @@ from mlxrt import ModelSpec, Runtime
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.worker.draft_policy import WINDOW_TOKENS, DraftPolicy, Window
 from mlxrt.worker.engine import Engine
-from test_engine import chat, gen, run_alone, run_batch, run_handed_over
+from support import chat, gen, run_alone, run_batch, run_handed_over
 
 #: Drafts of the tiny model: itself (every token accepted), a perturbed copy, a one-layer cut.
 DRAFTS = {"self": "synthetic:tiny", "noisy": "synthetic:tiny?noise=0.05", "cut": "synthetic:tiny?layers=1"}
@@ -147,7 +147,7 @@ def test_sampled_requests_with_a_draft(tiny_model):
 def test_worker_drafts_and_reports_acceptance(tiny_model, reference):
     """Through a worker: the draft changes no id, the stats carry its counts, and /metrics counts the
     drafted and accepted tokens per model."""
-    from test_http import running
+    from support import running
 
     with Runtime(model=ModelSpec(tiny_model, draft_model=DRAFTS["noisy"], draft_policy="always"),
                  transport="stdio") as rt:

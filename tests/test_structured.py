@@ -23,8 +23,7 @@ from mlxrt import Grammar, Runtime
 from mlxrt.ipc.protocol import GRAMMAR_DEAD_END, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import Constraint
-from test_engine import run_batch as run
-from test_http import running
+from support import run_batch as run
 
 S = {"type": "string", "maxLength": 8}
 SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
@@ -295,12 +294,6 @@ def test_python_api_json_schema_stream_and_generate(tiny_model):
 
 
 # ---- HTTP, and the async Python API beneath it ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model):
-    with running({"tiny": tiny_model}) as s:
-        yield s
 
 
 def json_schema_format(schema: dict) -> dict:

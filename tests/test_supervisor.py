@@ -22,23 +22,9 @@ from mlxrt import (
 )
 from mlxrt.ipc.protocol import Done, Tokens
 from mlxrt.orchestrator.runtime import build_request
-from test_faults import run_with_deadline
+from support import FAST, run_with_deadline, wait_for
 
 FLAKY = [sys.executable, str(Path(__file__).with_name("flaky_worker.py"))]
-FAST = dict(backoff_initial_s=0.05, backoff_max_s=0.2, monitor_interval_s=0.05)
-
-
-def wait_for(predicate, seconds: float = 30.0, what: str = "condition"):
-    """Poll `predicate` until true; fail the test (not hang) after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {seconds} s")
-
-
 def test_killed_worker_is_restarted_and_serves_again(tiny_model):
     """SIGKILL mid-stream: WorkerDied for that request, a new pid, restarts=1, the next request served."""
     with Runtime(model=tiny_model, transport="ring", supervision=Supervision(**FAST)) as rt:

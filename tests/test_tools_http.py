@@ -11,82 +11,31 @@ the reply then runs the production path: detokenizer, reply splitter, frames, bo
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import assert_stopped
 from mlxrt import Runtime
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from test_http import running, sse_events
+from support import (
+    LLAMA_TEXT,
+    QWEN_CALL,
+    SCRIPTED,
+    THINKERS,
+    THOUGHT,
+    assert_stopped,
+    sse_events,
+)
 
-SCRIPTED = [sys.executable, str(Path(__file__).with_name("scripted_worker.py"))]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
-QWEN_CALL = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
-LLAMA_CALL = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
-LLAMA_TEXT = 'Hello! No tool needed: {"name": "not a call"}'
-# [marker in the templated prompt, forced reply]; the first marker found wins. With "prefix", only the
-# reply's start is forced: the model (under a forced tool choice's grammar) writes the rest.
-THOUGHT = "The notes will say."
-SCRIPT = [
-    ["<|im_start|>user\nThink, then find", f"<think>\n{THOUGHT}\n</think>\n\n", "prefix"],
-    ["<|start|>user<|message|>Think, then find",
-     f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>assistant<|channel|>commentary", "prefix"],
-    # Qwen3 (and Qwen2.5): ChatML, <think> and <tool_call> JSON.
-    ["<tool_response>\nsunny, 21 C", "<think>\nThe tool answered.\n</think>\n\nIt is sunny in Paris."],
-    ['<tools>\n{"type": "function", "function": {"name": "get_weather"',
-     f"<think>\nI should call the tool.\n</think>\n\n{QWEN_CALL}"],
-    ["<|im_start|>user\nWeather in Paris?", f"Plain text: {QWEN_CALL}"],
-    ["Say hi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>", "Hello without thinking."],
-    ["<|im_start|>user\nSay hi", "<think>\nA greeting.\n</think>\n\nHi there!"],
-    # gpt-oss: harmony channels; the call ends with <|call|>, the answer with <|return|>.
-    ["<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny, 21 C",
-     "<|channel|>analysis<|message|>The tool answered.<|end|><|start|>assistant<|channel|>final"
-     "<|message|>It is sunny in Paris.<|return|>"],
-    ["type get_weather = ",
-     "<|channel|>analysis<|message|>I should call the tool.<|end|><|start|>assistant<|channel|>commentary"
-     ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'],
-    ["Reasoning: high", "<|channel|>analysis<|message|>Thinking hard.<|end|><|start|>assistant"
-                        "<|channel|>final<|message|>Done.<|return|>"],
-    ["<|start|>user<|message|>Say hi", "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant"
-                                        "<|channel|>final<|message|>Hi there!<|return|>"],
-    # Llama 3.x: bare JSON calls after the tools its template puts in the first user turn; results as
-    # ipython turns (the tool content as JSON).
-    ['<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21 C"', "It is sunny in Paris."],
-    ["}\n\nWeather in Paris?<|eot_id|>", LLAMA_CALL],
-    ["}\n\nGreet me<|eot_id|>", LLAMA_TEXT],
-]
-THINKERS = ["qwen3", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
-def scripted_env():
-    """The script, in the environment the workers inherit."""
-    old = os.environ.get("SCRIPTED_REPLIES")
-    os.environ["SCRIPTED_REPLIES"] = json.dumps(SCRIPT)
-    yield
-    if old is None:
-        del os.environ["SCRIPTED_REPLIES"]
-    else:
-        os.environ["SCRIPTED_REPLIES"] = old
-
-
-@pytest.fixture(scope="module")
-def srv(scripted_env):
-    """One server over scripted workers of five families."""
-    from mlxrt.synthetic.build import ensure_model
-
-    presets = {"qwen3": "tiny-qwen3", "gpt-oss": "tiny-gpt-oss", "qwen2.5": "tiny", "llama": "tiny-llama",
-               "gemma3": "tiny-gemma3"}
-    models = {name: str(ensure_model(preset)) for name, preset in presets.items()}
-    with running(models, _worker_argv=SCRIPTED) as s:
-        yield s
+def srv(scripted_server):
+    """The session's scripted server: Qwen3, gpt-oss, Qwen2.5, Llama and Gemma 3 (and `tiny`)."""
+    return scripted_server
 
 
 def streamed(oai, **kw):
