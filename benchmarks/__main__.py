@@ -11,19 +11,17 @@ Then the parts (``--part``): the per-component costs, measured directly; N
 streams at once (``--streams``) on mlxrt, mlxrt over HTTP, mlx_lm.server and
 mlx-lm's own continuous batching in-process (``native-batch``, whose ids are
 the reference for mlxrt's streams); and agents holding growing multi-turn
-chats over a shared system prompt (benchmarks/agents.py). Tables go to
-stdout, progress to stderr, and the last line of stdout is one JSON document
-with every figure.
+chats over a shared system prompt (benchmarks/agents.py). Progress goes to
+stderr; stdout ends with the tables, the paths of the JSON document (every
+figure) and the plot, and one short JSON summary line (benchmarks/runner.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,12 +29,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import agents, components, records, report
+from . import agents, components, records, report, runner
 from .concurrency import run_level
-from .env import backend, default_preset, describe, git_commit
+from .env import backend, default_preset, git_commit
 from .gate import BatchGate, Gate, first_divergence
 from .http_scenario import connect_retries
-from .measure import Run, agreement, diff_spread, finite, peak_rss_bytes, ratio_spread, spread, text_agreement
+from .measure import Run, agreement, diff_spread, peak_rss_bytes, ratio_spread, spread, text_agreement
 from .peers import PEERS, LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
 from .scenarios import Embedded, Native, NativeBatch, Skipped
 
@@ -749,12 +747,6 @@ class Suite:
     def document(self, conc: dict[str, Any], comp: dict[str, Any], agent: dict[str, Any]) -> dict[str, Any]:
         scen = {n: self.scenario_doc(n, rs) for n, rs in self.runs.items() if rs}
         a = self.args
-        env = describe()
-        env["note"] = (
-            "figures from a shared, busy machine are for checking the harness, not for publication"
-            if env.get("cpu_count", 0) <= 2
-            else None
-        )
         return {
             "benchmark": "mlxrt-bench",
             "config": {
@@ -791,7 +783,7 @@ class Suite:
                 "mismatched": [],
                 "why": self.skipped.get("native", "native not run"),
             },
-            "env": env,
+            "env": runner.environment(),
         }
 
 
@@ -829,16 +821,33 @@ def run_suite(args: argparse.Namespace, plan: Plan, say: report.Progress) -> tup
     return suite.document(conc, comp, agent), suite
 
 
-def write_outputs(doc: dict[str, Any], suite: Suite, args: argparse.Namespace) -> None:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    jpath = Path(args.json) if args.json else Path("bench-results") / f"{stamp}.json"
-    jpath.parent.mkdir(parents=True, exist_ok=True)
-    doc["outputs"]["json"] = str(jpath)
-    if not args.no_plot:
+def write_outputs(doc: dict[str, Any], suite: Suite | None, args: argparse.Namespace) -> None:
+    """The JSON document to --json (default bench-results/<timestamp>.json), the plot beside it."""
+    jpath = runner.json_path(args.json, None)
+    doc.setdefault("outputs", {})["json"] = str(jpath)
+    if suite is not None and not args.no_plot:
         ttft = {n: [r.ttft_ms for r in rs] for n, rs in suite.runs.items()}
         png = report.plot(doc, ttft, jpath.with_suffix(".png"))
         doc["outputs"]["png"] = str(png) if png else None
-    jpath.write_text(json.dumps(finite(doc), allow_nan=False) + "\n", encoding="utf-8")
+    runner.write_json(doc, jpath)
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """The last line of stdout, for scripts: status, the gate's verdict, the headline and where the
+    document went (the document itself is tens of KB)."""
+    out = {k: doc[k] for k in ("benchmark", "status", "error", "elapsed_s") if k in doc}
+    gate = doc.get("gate")
+    if gate:
+        out["gate"] = {k: gate.get(k) for k in ("passed", "mismatched")}
+    head = next((n for n in MLXRT_SCENARIOS if n in doc.get("scenarios", {})), None)
+    if head:
+        s = doc["scenarios"][head]
+        out["headline"] = {"scenario": head, "decode_tps": s["decode_tps"]["median"],
+                           "ratio_to_native": (s.get("ratio_to_native") or {}).get("median")}
+    if doc.get("record"):
+        out["record"] = doc["record"].get("status")
+    out["outputs"] = doc.get("outputs", {})
+    return out
 
 
 def log_record(
@@ -891,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.log:
             doc["record"] = log_record(None, args, crashed=True)
-        print(json.dumps(finite(doc), default=str, allow_nan=False))
+        write_outputs(doc, None, args)
+        print(runner.summary_line(summary(doc)))
         return EXIT_CRASH
     gate = doc["gate"]
     doc["status"] = "ok" if gate["passed"] else "token-mismatch" if gate["passed"] is False else "no-baseline"
@@ -907,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
             doc["outputs"]["tsv"] = f"{args.results_tsv} ({doc['record']['status']})"
     write_outputs(doc, suite, args)
     report.print_report(doc)
-    print(json.dumps(finite(doc), default=str, allow_nan=False))
+    print(runner.summary_line(summary(doc)))
     if doc["status"] == "token-mismatch":
         return EXIT_GATE
     return EXIT_NO_BASELINE if doc["status"] == "no-baseline" else 0

@@ -347,6 +347,27 @@ def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
     assert doc["gate"]["mismatched"] == ["mlxrt-stdio"] and "QUALITY GATE FAILED" in out
 
 
+def test_bench_ends_with_its_tables_and_paths_not_the_document(capsys, tmp_path):
+    """`make bench`'s entry point ends stdout with its tables, the JSON's path and a summary line
+    under 1 KB; the whole document, with the run's date beside the commit, is in the file."""
+    argv = ["--model", "synthetic:tiny", "--quick", "--only", "mlxrt-stdio", "--peers", "none", "--no-plot"]
+    out_json = tmp_path / "r.json"
+    code = bench.main([*argv, "--json", str(out_json)])
+    out = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(out_json.read_text())
+    s = doc["scenarios"]["mlxrt-stdio"]
+    assert code == 0 and doc["status"] == "ok" and s["runs"]
+    assert doc["env"]["commit"] and doc["env"]["date"].endswith("Z")
+    assert len(out[-1].encode()) < 1024 and "runs" not in out[-1]
+    head = {"scenario": "mlxrt-stdio", "decode_tps": s["decode_tps"]["median"],
+            "ratio_to_native": s["ratio_to_native"]["median"]}
+    assert json.loads(out[-1]) == {"benchmark": "mlxrt-bench", "status": "ok", "elapsed_s": doc["elapsed_s"],
+                                   "gate": {"passed": True, "mismatched": []}, "headline": head,
+                                   "outputs": {"json": str(out_json)}}
+    assert out[-2] == f"written: json {out_json}"  # the tables end with where the document went
+    assert any(line.startswith("end to end") for line in out) and "quality gate" in "\n".join(out).lower()
+
+
 def test_crossed_streams_fail_the_gate():
     """Under concurrency every stream must get its own prompt's tokens: crossed streams fail the gate."""
     args = bench.parse_args(["--model", "synthetic:tiny"])
@@ -641,8 +662,9 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc == json.loads(out_json.read_text()) and doc["status"] == "ok"
+    last = json.loads(proc.stdout.strip().splitlines()[-1])  # the summary line, not the document
+    doc = json.loads(out_json.read_text())
+    assert last["status"] == doc["status"] == "ok" and last["outputs"]["json"] == str(out_json)
     ag = doc["agent"]
     want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
             "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
@@ -676,7 +698,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
 
 
 def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
-    """A whole quick run: tables, then one JSON line with every part, the PNG, and a record row."""
+    """A whole quick run: tables, then the JSON document with every part, the PNG, and a record row."""
     out_json, tsv = tmp_path / "bench.json", tmp_path / "results.tsv"
     env = {**os.environ, "OLLAMA_HOST": f"127.0.0.1:{_closed_port()}"}
     cmd = [
@@ -701,8 +723,9 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc == json.loads(out_json.read_text())
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc = json.loads(out_json.read_text())
+    assert last["outputs"] == doc["outputs"] and last["gate"]["passed"] is True
     assert doc["status"] == "ok" and doc["gate"]["passed"] is True, doc["gate"]
     assert {"native", "mlxrt-ring", "mlxrt-stdio"} <= set(doc["scenarios"]), (
         doc["skipped"],
