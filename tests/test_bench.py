@@ -810,8 +810,9 @@ def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path, capsys
     out = tmp_path / "all.json"
     rc = families.main(["--merge", *map(str, paths), "--out", str(out)])
     doc = json.loads(out.read_text())
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # stdout ends in the JSON line
-    assert last["rows"] == doc["rows"] and last["outputs"] == {"json": str(out)} and "runs" not in last
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # stdout ends in a summary line
+    assert last["rows"] == [{"preset": "a", "status": "ok"}, {"preset": "b", "status": "token-mismatch"}]
+    assert last["outputs"] == {"json": str(out)} and "runs" not in last
     assert rc == 1  # one family failed, as a single run would say
     assert doc["config"]["presets"] == ["a", "b"] and [r["preset"] for r in doc["rows"]] == ["a", "b"]
     assert doc["runs"] == {"a": {"k": 1}, "b": {"k": 1}} and doc["elapsed_s"] == 4.0
