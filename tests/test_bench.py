@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import agents, families, measure, records, report  # noqa: E402
+from benchmarks import agents, e2e, families, measure, records, report  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
 from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
@@ -325,7 +325,7 @@ class _Corrupt(Native):
 
 def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
     """A scenario whose ids differ from native's fails the quality gate: exit 1, status token-mismatch."""
-    monkeypatch.setattr(bench, "Embedded", _Corrupt)
+    monkeypatch.setattr(e2e, "Embedded", _Corrupt)
     monkeypatch.setattr("mlxrt.logs.configure", lambda **_kw: None)  # leave this process's logging alone
     code = bench.main(
         [
@@ -634,7 +634,7 @@ def test_a_failing_concurrency_part_keeps_the_single_stream_figures(tmp_path, mo
     def boom(self, *args):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(bench.NativeBatch, "setup", boom)  # as on the H200: no native-batch ids either
+    monkeypatch.setattr(NativeBatch, "setup", boom)  # as on the H200: no native-batch ids either
     monkeypatch.setattr(bench.Suite, "concurrency_references", boom)
     out = tmp_path / "run.json"
     argv = ["--model", "synthetic:tiny", "--part", "native,mlxrt-ring,concurrency", "--streams", "2",
