@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import agents, e2e, families, measure, records, report  # noqa: E402
+from benchmarks import agents, e2e, families, measure, records, report, runner  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
 from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
@@ -107,6 +107,24 @@ def test_finite_turns_nan_into_null():
 
 def _row(tps: str, spread: str = "1.0", status: str = "keep", model: str = "m", backend: str = "cpu") -> dict:
     return {"model": model, "backend": backend, "decode_tps": tps, "spread_tps": spread, "status": status}
+
+
+def test_span_prints_median_and_range_or_the_median_alone():
+    """Every study prints a figure as median [min-max]; one sample has no range, none prints a dash."""
+    assert runner.span([3.0, 1.0, 2.0]) == "2.0 [1.0-3.0]"
+    assert runner.span(measure.spread([0.5, 0.25]), ".3f") == "0.375 [0.250-0.500]"
+    assert runner.span([7.0]) == "7.0" and runner.span([]) == "-" and runner.span(None) == "-"
+
+
+def test_summary_line_stays_under_1_kb_and_keeps_status_and_paths():
+    """A study's last line stays under 1 KB: long strings are cut, then figures dropped and named,
+    never its name, status, error or paths."""
+    line = runner.summary_line({"benchmark": "b", "status": "crash", "error": "x" * 5000,
+                                "rows": list(range(300)), "outputs": {"json": "r.json"}})
+    got = json.loads(line)
+    assert len(line.encode()) < runner.SUMMARY_MAX_BYTES and got["truncated"] == ["rows"]
+    assert got["status"] == "crash" and got["error"] == "x" * 300 + "..."
+    assert got["outputs"] == {"json": "r.json"}
 
 
 def test_decide_keeps_within_spread_of_the_best_and_discards_beyond():
