@@ -12,13 +12,13 @@ the window from the first text event to the last. Every round checks that the th
 the same text and the same token count. After one unmeasured round, medians and spread are reported,
 and each API's rate over chat completions' paired by round.
 
-A table goes to stdout, and the last line is one JSON document.
+A table goes to stdout, then the path of the JSON document (``--json``, benchmarks/runner.py) and
+a short summary line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +28,11 @@ from typing import Any
 import msgspec
 from mlxrt.synthetic.build import ensure_model
 
+from . import runner
 from .concurrency import run_threads
-from .env import default_preset, describe
+from .env import default_preset
 from .http_scenario import MODEL_NAME, HttpStream, sse_data
-from .measure import finite, ratio_spread, spread
+from .measure import ratio_spread, spread
 
 SYSTEM = "You are a storyteller."
 USER = "Tell me a long story about the sea, the tide and the gulls."
@@ -137,6 +138,7 @@ class _Replay:
         self._it = iter(chunks)
         self.stats = Stats(prompt_tokens=32, generation_tokens=len(chunks), finish_reason="length")
         self.finish_reason = "length"
+        self.choice_stats: dict = {}  # per-choice stats of n > 1; one choice here, as AsyncStream's
 
     def __aiter__(self) -> _Replay:
         return self
@@ -202,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=1, help="requests at a time per API (default 1)")
     p.add_argument("--encode", action="store_true",
                    help="only the per-token cost of each API's streaming encoder, in-process (no model)")
+    runner.add_json_arg(p, study="apis")
     args = p.parse_args(argv)
     if args.encode:
-        return print_encode_cost(encode_cost(20_000, args.rounds))
+        return print_encode_cost(encode_cost(20_000, args.rounds), args.json)
     preset = args.preset or default_preset()
     path = args.model or str(ensure_model(preset))
     server = HttpStream(path, extra_args=["--prompt-cache-bytes", "0"])
@@ -230,36 +233,40 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.close()
     out = {"preset": args.model or preset, "tokens": args.tokens, "rounds": args.rounds,
-           "streams": args.streams, "env": describe(), "identical_every_round": all(identical),
+           "streams": args.streams, "env": runner.environment(), "identical_every_round": all(identical),
            "decode_tps": {a: spread(v) for a, v in rates.items()},
            "ttft_ms": {a: spread(v) for a, v in ttft.items()},
            "over_chat": {a: ratio_spread(rates[a], rates["chat"]) for a in ("messages", "responses")},
            "raw_decode_tps": rates}
     print(f"{out['preset']}, {args.streams} stream(s), {args.tokens} tokens, {args.rounds} rounds "
-          f"(medians, min-max)")
+          f"(median [min-max])")
     print("| API | decode tok/s | TTFT ms | rate / chat completions (paired by round) |")
     print("|---|---|---|---|")
     for a in APIS:
         d, t = out["decode_tps"][a], out["ttft_ms"][a]
         ratio = out["over_chat"].get(a)
-        rel = f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})" if ratio else "1"
-        print(f"| {a} | {d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {t['median']:.1f} | {rel} |")
+        rel = runner.span(ratio, ".3f") if ratio else "1"
+        print(f"| {a} | {runner.span(d)} | {t['median']:.1f} | {rel} |")
     same = out["identical_every_round"]
     print(f"\nsame text and token count through all three APIs in every round: {same}")
-    print(json.dumps(finite(out)))
+    medians = {a: out["over_chat"][a]["median"] for a in out["over_chat"]}
+    runner.finish(out, runner.json_path(args.json, "apis"), {
+        "benchmark": "mlxrt-apis", "identical_every_round": same, "over_chat_median": medians})
     return 0 if all(identical) else 1
 
 
-def print_encode_cost(out: dict[str, Any]) -> int:
-    print(f"streaming encoders, {out['tokens']} one-token chunks, {out['rounds']} rounds (medians, min-max)")
+def print_encode_cost(out: dict[str, Any], json_arg: str | None = None) -> int:
+    print(f"streaming encoders, {out['tokens']} one-token chunks, {out['rounds']} rounds (median [min-max])")
     print("| API | us per token | bytes per token |")
     print("|---|---|---|")
     for a in APIS:
         u = out["us_per_token"][a]
         size = out["bytes_per_token"][a]
-        print(f"| {a} | {u['median']:.2f} ({u['min']:.2f}-{u['max']:.2f}) | {size:.0f} |")
-    out["env"] = describe()
-    print(json.dumps(finite(out)))
+        print(f"| {a} | {runner.span(u, '.2f')} | {size:.0f} |")
+    out["env"] = runner.environment()
+    medians = {a: out["us_per_token"][a]["median"] for a in APIS}
+    runner.finish(out, runner.json_path(json_arg, "apis-encode"),
+                  {"benchmark": "mlxrt-apis-encode", "us_per_token_median": medians})
     return 0
 
 

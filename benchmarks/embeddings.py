@@ -16,7 +16,8 @@ Figures are inputs/s and tokens/s, median [min-max] over rounds, and forward pas
 (native's by construction, mlxrt's from the worker's per-request ``mean_batch_size``: a request of n
 inputs at a mean of m per pass, alone in its passes or one of m single-input requests in each, adds
 n / m passes); every vector is checked against native-b1's (max abs difference; beyond
-`GATE_ABS_DIFF` the run exits 1). Tables go to stdout; its last line is one JSON document.
+`GATE_ABS_DIFF` the run exits 1). Tables go to stdout, then the path of the JSON document (``--json``,
+benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 from mlxrt import AsyncRuntime
 from mlxrt.synthetic.build import ensure_model
 
-from .env import describe
+from . import runner
 
 BATCH = 32
 CONCURRENCY = 32
@@ -147,12 +148,13 @@ def report(args: argparse.Namespace, seconds: dict[str, list[float]], passes: di
         per32 = [p * BATCH / n for p in passes[name]]
         rows[name] = {"inputs_per_s": ips, "tokens_per_s": tps, "max_abs_diff": worst[name],
                       "passes_per_32_inputs": per32}
-        print(f"{name:12} {statistics.median(ips):10.1f} [{min(ips):6.1f}-{max(ips):6.1f}] "
-              f"{statistics.median(tps):11.0f} [{min(tps):6.0f}-{max(tps):6.0f}] "
+        print(f"{name:12} {runner.span(ips):>24} {runner.span(tps, '.0f'):>26} "
               f"{base / statistics.median(s):12.3f} {worst[name]:11.2e} {statistics.median(per32):10.2f}")
     result = {"preset": args.preset, "inputs": n, "tokens": tokens, "rounds": args.rounds,
-              "transport": args.transport, "scenarios": rows, "env": describe()}
-    print(json.dumps(result))
+              "transport": args.transport, "scenarios": rows, "env": runner.environment()}
+    ips = {name: statistics.median(r["inputs_per_s"]) for name, r in rows.items()}
+    runner.finish(result, runner.json_path(args.json, "embeddings"),
+                  {"benchmark": "mlxrt-embeddings", "preset": args.preset, "inputs_per_s_median": ips})
     return result
 
 
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--inputs", type=int, default=256)
     p.add_argument("--transport", default="ring", choices=("ring", "stdio"))
+    runner.add_json_arg(p, study="embeddings")
     args = p.parse_args(argv)
     if args.preset is None:
         args.preset = "qwen3-embedding-0.6b" if mx.default_device() == mx.gpu else "tiny-qwen3-embedding"

@@ -17,9 +17,10 @@ its own row. Each run's JSON is reduced to one row:
   median TTFT of turns 2..T, and the prefix-cache hit rate: cached prompt
   tokens over prompt tokens, turns 2..T, where the server reports them.
 
-The table goes to stdout, then one JSON line (the rows, the sizes, the
-machine); ``--out`` gets the same document with every family's whole harness
-JSON under ``runs``. Sizes default to the CPU tiny presets' (``--sizes cpu``:
+The table goes to stdout, then the path of the JSON document (``--out`` or
+``--json``: the rows, the sizes, the machine, and every family's whole harness
+JSON under ``runs``) and a short summary line, each family's status
+(benchmarks/runner.py). Sizes default to the CPU tiny presets' (``--sizes cpu``:
 the agents' chats fit their 512-token context) or, where MLX has a GPU, the
 issue's real shapes (``--sizes gpu``); any flag below overrides its size.
 """
@@ -38,9 +39,9 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from . import agents
-from .env import backend, describe
-from .measure import finite, ratio_spread, spread
+from . import agents, runner
+from .env import backend
+from .measure import ratio_spread, spread
 from .report import Progress, _f
 
 TINY = ("tiny", "tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5", "tiny-gemma3", "tiny-gpt-oss")
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-mlxrt-args", action="append", default=[], metavar="ARGS",
                    help="the harness's flag of that name: the agents on one more mlxrt serve, with ARGS added"
                    " (e.g. --agent-mlxrt-args=--gather-ms=0); once per variant")
-    p.add_argument("--out", help="where the JSON goes (default bench-results/families-<timestamp>.json)")
+    runner.add_json_arg(p, "--out", study="families")
     p.add_argument("--remove-made-models", action="store_true",
                    help="delete a synthetic model after its family's run when this run made it (the real"
                    " shapes take 64 GB together)")
@@ -332,9 +333,7 @@ def _model_type(path: str | None) -> str | None:
 
 
 def _ratio(s: dict | None) -> str:
-    if not s or not s.get("n"):
-        return "-"
-    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+    return runner.span(s, ".2f")
 
 
 def _pct(x: float | None) -> str:
@@ -518,22 +517,18 @@ def merge(docs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _out_path(given: str | None) -> Path:
-    return Path(given) if given else Path("bench-results") / f"families-{time.strftime('%Y%m%d-%H%M%S')}.json"
-
-
 def _finish(doc: dict[str, Any], runs: dict[str, Any], out: Path, head: str | None = None) -> int:
-    """Write `doc` with its `runs` to `out`; print the table, the notes and, last, the JSON line."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(finite({**doc, "runs": runs}), allow_nan=False) + "\n", encoding="utf-8")
+    """Write `doc` with its `runs` to `out`; print the table, the notes, its path and, last, a summary
+    line: each family's status."""
     if head:
         print(head + "\n")
     print(table(doc["rows"]))
     print()
     for line in doc["notes"]:
         print(f"- {line}")
-    print(f"\nwritten: {out}")
-    print(json.dumps(finite({**doc, "outputs": {"json": str(out)}}), default=str, allow_nan=False))
+    print()
+    rows = [{"preset": r["preset"], "status": r["status"]} for r in doc["rows"]]
+    runner.finish({**doc, "runs": runs}, out, {"benchmark": doc.get("benchmark"), "rows": rows})
     return 0 if all(r["status"] == "ok" for r in doc["rows"]) else 1
 
 
@@ -546,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"families --merge: {exc}", file=sys.stderr)
             return 2
         runs = doc.pop("runs")
-        return _finish(doc, runs, _out_path(args.out))
+        return _finish(doc, runs, runner.json_path(args.json, "families"))
     missing = agents.client_missing() if "agents" in args.parts else None
     if missing:  # found before a long run, not after it (an H200 run once lost its agent part so)
         print(f"families: the agent part needs the openai client, and {missing} (or leave it out: --part)",
@@ -576,13 +571,13 @@ def main(argv: list[str] | None = None) -> int:
                    "peers": args.peers, "parts": args.parts, "agent_mlxrt_args": args.agent_mlxrt_args},
         "rows": rows,
         "notes": notes(rows),
-        "env": describe(),
+        "env": runner.environment(),
         "elapsed_s": say.elapsed_s,
     }
     head = (f"families: {', '.join(presets)}, parts {', '.join(args.parts)} ({profile} sizes"
             f"{', quick' if args.quick else ''}): "
             + ", ".join(f"{k} {v}" for k, v in asdict(sizes).items() if v is not None))
-    return _finish(doc, runs, _out_path(args.out), head)
+    return _finish(doc, runs, runner.json_path(args.json, "families"), head)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ so a stall on first use stands out. Run it twice with the same
 ``MLX_PTX_CACHE_DIR`` to tell the disk-cached part from the in-process part.
 
     python -m benchmarks.first_use MODEL [--lengths 512,2112,4122,3000] [--batch 1]
+
+Each prompt's line is printed as it ends (a lent GPU may cut the run short); then the path of the
+whole JSON document with the environment (``--json``, benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from . import runner
 
 
 def _ptx_files() -> set[str]:
@@ -31,6 +36,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="512,2112,4122,3000,3500,4122")
     ap.add_argument("--batch", type=int, default=1, help="prompts of each length sent together")
     ap.add_argument("--no-warmup", action="store_true")
+    runner.add_json_arg(ap, study="first-use")
     a = ap.parse_args()
 
     from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
@@ -62,6 +68,10 @@ def main() -> None:
             row["new_kernels"], seen = sorted(now - seen), now
             out["prompts"].append(row)
             print(json.dumps(row), flush=True)
+    out["env"] = runner.environment()
+    slowest = max(out["prompts"], key=lambda r: r["s"], default=None)
+    runner.finish(out, runner.json_path(a.json, "first-use"),
+                  {"benchmark": "mlxrt-first-use", "warmup_s": out["warmup_s"], "slowest_prompt": slowest})
 
 
 if __name__ == "__main__":

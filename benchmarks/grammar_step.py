@@ -15,7 +15,8 @@ the same ids):
 
 The grammar's cost per step is a way's time minus none's. The schema is
 `benchmarks.structured.LONG` (an array of at least 50 objects); a row whose
-grammar completes starts over. A table goes to stdout, the last line is JSON.
+grammar completes starts over. A table goes to stdout, then the path of the JSON document
+(``--json``, benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import GrammarCache, StepMasks
 
-from .env import describe
+from . import runner
 from .measure import spread
 from .structured import LONG
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="small", help="synthetic preset (its tokenizer; default small)")
     p.add_argument("--rows", type=int, default=16, help="constrained rows per step (default 16)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per way (default 200)")
+    runner.add_json_arg(p, study="grammar-step")
     args = p.parse_args(argv)
     engine = Engine(str(ensure_model(args.preset)), options=EngineOptions(prompt_cache_bytes=0))
     grammar = Grammar(kind="json_schema", source=json.dumps(LONG))
@@ -85,16 +87,17 @@ def main(argv: list[str] | None = None) -> int:
             if step >= 10:  # the first steps build lexer states and compile the MLX ops
                 times[w].append((time.perf_counter() - t0) * 1e3)
     base = statistics.median(times["none"])
-    out = {"preset": args.preset, "rows": args.rows, "steps": args.steps, "env": describe(),
+    out = {"preset": args.preset, "rows": args.rows, "steps": args.steps, "env": runner.environment(),
            "step_ms": {w: spread(times[w]) for w in WAYS},
            "grammar_ms": {w: statistics.median(times[w]) - base for w in WAYS[1:]}}
-    print("| way | step ms (median, min-max) | grammar ms per step (median - none) |")
+    print("| way | step ms, median [min-max] | grammar ms per step (median - none) |")
     print("|---|---|---|")
     for w in WAYS:
         s = out["step_ms"][w]
         extra = f"{out['grammar_ms'][w]:.2f}" if w != "none" else "-"
-        print(f"| {w} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {extra} |")
-    print(json.dumps(out))
+        print(f"| {w} | {runner.span(s, '.2f')} | {extra} |")
+    runner.finish(out, runner.json_path(args.json, "grammar-step"),
+                  {"benchmark": "mlxrt-grammar-step", "rows": args.rows, "grammar_ms": out["grammar_ms"]})
     return 0
 
 

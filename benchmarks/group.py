@@ -21,7 +21,8 @@ Two parts, both through real processes:
   twice per layer and token: an all_sum of one token's hidden state
   (float16, the model's hidden size), waited for.
 
-Tables on stdout, progress on stderr, the last line of stdout one JSON document.
+Tables on stdout, progress on stderr; stdout ends with the path of the JSON document (``--json``,
+benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .env import describe
+from . import runner
 from .measure import spread
 
 PROBE_ITERATIONS = 200
@@ -221,7 +222,7 @@ def probe_rank(spec_json: str, args) -> None:
 
 
 def _fmt(s: dict) -> str:
-    return f"{s['median']:9.1f} [{s['min']:.1f}-{s['max']:.1f}]"
+    return runner.span(s)
 
 
 def report(args, result: dict) -> None:
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--probe-ranks", type=int, default=2, help="0: skip the collectives part")
     ap.add_argument("--hidden", type=int, default=None, help="default: the model's hidden_size")
     ap.add_argument("--only", choices=["speed", "collectives"], default=None)
-    ap.add_argument("--json", default=None, help="also write the JSON document here")
+    runner.add_json_arg(ap, study="group")
     ap.add_argument("--probe-rank", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.probe_rank is not None:
@@ -271,16 +272,16 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     args.ranks = [int(x) for x in args.ranks.split(",")]
     args.hidden = args.hidden or _hidden_size(args.model)
-    result: dict = {"machine": describe(), "args": {k: v for k, v in vars(args).items() if k != "probe_rank"}}
+    given = {k: v for k, v in vars(args).items() if k != "probe_rank"}
+    result: dict = {"machine": runner.environment(), "args": given}
     if args.only in (None, "collectives") and args.probe_ranks > 1:
         result["collectives"] = probe(args)
     if args.only in (None, "speed"):
         result["speed"] = speed(args, result.get("collectives", {}).pop("mlx_lm_ids", None))
     report(args, result)
-    doc = json.dumps(result)
-    if args.json:
-        Path(args.json).write_text(doc + "\n")
-    print(doc)
+    decode = {n: s["decode_tps"]["median"] for n, s in result.get("speed", {}).items()}
+    runner.finish(result, runner.json_path(args.json, "group"),
+                  {"benchmark": "mlxrt-group", "model": args.model, "decode_tps_median_by_ranks": decode})
     return result
 
 

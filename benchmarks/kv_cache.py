@@ -8,21 +8,22 @@ tokens, EOS off, quantized from the first token (``quantized_kv_start=0``).
 Full precision and each bit width run interleaved, round by round, on one
 loaded model (the engine's `kv` swapped). Reported per configuration: the
 bytes of the sequence's KV cache when it ends (the entry kept in the prefix
-cache), MLX's peak memory over the request, and decode tok/s; the last line of
-stdout is one JSON document.
+cache), MLX's peak memory over the request, and decode tok/s. The JSON document
+goes to ``--json`` (benchmarks/runner.py); stdout ends with the table, its path
+and a short summary line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.worker.engine import Engine, device_name, resolve_model_path
 from mlxrt.worker.kvcache import KVQuant, check_quantizable, fallback_steps
 
-from .env import default_preset, describe
+from . import runner
+from .env import default_preset
 from .speculative import _Box
 
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    runner.add_json_arg(ap, study="kv-cache")
     a = ap.parse_args(argv)
     target = a.target or f"synthetic:{default_preset()}"
     engine = Engine(resolve_model_path(target), options=EngineOptions())
@@ -73,12 +75,13 @@ def main(argv: list[str] | None = None) -> dict:
     for name, row in rows.items():
         t = row["decode_tps"]
         cache, peak = statistics.median(row["cache_mb"]), statistics.median(row["peak_mb"])
-        tps = f"{statistics.median(t):10.1f} [{min(t):.1f}-{max(t):.1f}]"
-        print(f"{name:24} {cache:12.1f} {peak:12.1f} {tps}")
+        print(f"{name:24} {cache:12.1f} {peak:12.1f} {runner.span(t):>24}")
     result = {"target": target, "tokens": a.tokens, "group_size": a.group_size, "rows": rows,
               "dequantized_attention": fallback,
-              "env": describe()}
-    print(json.dumps(result))
+              "env": runner.environment()}
+    tps = {name: statistics.median(row["decode_tps"]) for name, row in rows.items()}
+    runner.finish(result, runner.json_path(a.json, "kv-cache"),
+                  {"benchmark": "mlxrt-kv-cache", "target": target, "decode_tps_median": tps})
     return result
 
 

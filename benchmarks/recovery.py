@@ -6,19 +6,19 @@ worker and times a request made right after: without a spare it waits for
 the replacement (backoff, process start, model load, warm-up); with one
 (``--spares 0,1`` measures both, interleaved A B A B) the spare takes the
 dead worker's place at once. Each request must succeed, and with a spare it
-must be served by the former spare. The last stdout line is one JSON document.
+must be served by the former spare. The JSON document goes to ``--json`` (benchmarks/runner.py);
+stdout ends with the figures, its path and a short summary line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import time
 
-from .env import describe
+from . import runner
 from .measure import spread
 
 
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=5, help="per --spares value")
     p.add_argument("--transport", default="auto")
     p.add_argument("--spares", type=_spares, default=[0], help="comma-separated, e.g. 0,1 (default 0)")
+    runner.add_json_arg(p, study="recovery")
     args = p.parse_args(argv)
     samples: dict[int, list[dict]] = {n: [] for n in args.spares}
     for i in range(args.samples):
@@ -67,12 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         s = spread([x["recovery_s"] * 1e3 for x in got])
         results[str(n)] = {"recovery_ms": s, "samples": got}
         print(f"recovery after SIGKILL (kill -> next successful request), {args.model}, "
-              f"{got[0]['transport']}, spares={n}: median {s['median']:.0f} ms "
-              f"[{s['min']:.0f}-{s['max']:.0f}]; the same request without a crash: median "
+              f"{got[0]['transport']}, spares={n}: median {runner.span(s, '.0f')} ms"
+              f"; the same request without a crash: median "
               f"{spread([x['request_s'] * 1e3 for x in got])['median']:.0f} ms")
     first = results[str(args.spares[0])]
-    print(json.dumps({"benchmark": "mlxrt-recovery", "model": args.model, "recovery_ms": first["recovery_ms"],
-                      "samples": first["samples"], "by_spares": results, "env": describe()}))
+    doc = {"benchmark": "mlxrt-recovery", "model": args.model, "recovery_ms": first["recovery_ms"],
+           "samples": first["samples"], "by_spares": results, "env": runner.environment()}
+    median_ms = {n: r["recovery_ms"]["median"] for n, r in results.items()}
+    summary = {"benchmark": doc["benchmark"], "model": args.model, "recovery_ms_median_by_spares": median_ms}
+    runner.finish(doc, runner.json_path(args.json, "recovery"), summary)
     return 0
 
 

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .runner import span
+
 MB = 1024 * 1024
 NATIVE_BATCH = "native-batch"
 
@@ -34,12 +36,7 @@ def _f(x: Any, fmt: str = ".1f", none: str = "-") -> str:
     return format(x, fmt)
 
 
-def _med(s: dict | None, fmt: str = ".1f", *, rng: bool = True) -> str:
-    """``median [min-max]`` of a spread dict."""
-    if not s or not s.get("n"):
-        return "-"
-    out = _f(s["median"], fmt)
-    return f"{out} [{_f(s['min'], fmt)}-{_f(s['max'], fmt)}]" if rng and s["n"] > 1 else out
+_med = span  # ``median [min-max]`` of a spread dict, as every study prints it
 
 
 def header(doc: dict) -> str:

@@ -2,19 +2,21 @@
 
 ``python -m benchmarks.single_stream [PRESET|MODEL_DIR] [ROUNDS]``: decode tok/s from the engine's own stats
 (128-token prompt, 128 tokens, greedy, EOS off, prefix cache off), after one unmeasured round.
-The last line of stdout is one JSON document.
+The figures go to stdout, then the path of the JSON document (``--json``, benchmarks/runner.py) and a
+short summary line.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine, device_name
+
+from . import runner
 
 
 class _Stats:
@@ -35,7 +37,13 @@ class _Stats:
         raise exc
 
 
-def main(preset: str = "small", rounds: int = 7) -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.single_stream", description=__doc__.split("\n")[0])
+    p.add_argument("preset", nargs="?", default="small", help="synthetic preset or model directory (small)")
+    p.add_argument("rounds", nargs="?", type=int, default=7, help="measured rounds (default 7)")
+    runner.add_json_arg(p, study="single-stream")
+    args = p.parse_args(argv)
+    preset, rounds = args.preset, args.rounds
     path = preset if Path(preset).is_dir() else ensure_model(preset)
     engine = Engine(str(path), options=EngineOptions(prompt_cache_bytes=0))
     ids = (engine.tokenizer.encode("The tide came in over the rocks while the gulls argued. ") * 40)[:128]
@@ -53,12 +61,15 @@ def main(preset: str = "small", rounds: int = 7) -> dict:
     paired = [on / off for off, on in zip(tps["off"], tps["on"], strict=True)]
     print(f"{preset} on {device_name()}, {rounds} rounds, decode tok/s median [min-max]")
     for mode, v in tps.items():
-        print(f"  fast path {mode:3}  {statistics.median(v):7.1f} [{min(v):.1f}-{max(v):.1f}]")
-    print(f"  on/off paired  {statistics.median(paired):.3f} [{min(paired):.3f}-{max(paired):.3f}]")
-    result = {"preset": preset, "device": device_name(), "decode_tps": tps, "on_over_off": paired}
-    print(json.dumps(result))
+        print(f"  fast path {mode:3}  {runner.span(v)}")
+    print(f"  on/off paired  {runner.span(paired, '.3f')}")
+    result = {"preset": preset, "device": device_name(), "decode_tps": tps, "on_over_off": paired,
+              "env": runner.environment()}
+    summary = {"benchmark": "mlxrt-single-stream", "preset": preset,
+               "on_over_off_median": statistics.median(paired)}
+    runner.finish(result, runner.json_path(args.json, "single-stream"), summary)
     return result
 
 
 if __name__ == "__main__":
-    main(*(f(a) for f, a in zip((str, int), sys.argv[1:], strict=False)))
+    main()

@@ -27,13 +27,13 @@ Each drafted point runs under each ``--policy``: ``always`` drafts every round
 its `DraftPolicy` kept across the rounds of that point as a worker keeps it
 across requests.
 
-The last line of stdout is one JSON document.
+The table goes to stdout, then the path of the JSON document (``--json``,
+benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import mlx.core as mx
@@ -43,7 +43,8 @@ from mlxrt.worker.draft_policy import DraftPolicy
 from mlxrt.worker.engine import Engine, device_name, resolve_model_path
 from mlxrt.worker.solo import Draft
 
-from .env import default_preset, describe
+from . import runner
+from .env import default_preset
 
 
 class _Box:
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--policy", default="always,adaptive",
                     help="draft policies to run each drafted point under (always, adaptive)")
+    runner.add_json_arg(ap, study="speculative")
     a = ap.parse_args(argv)
     policies = a.policy.split(",")
     target = a.target or f"synthetic:{default_preset()}"
@@ -149,16 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'configuration':60} {'acceptance':>10} {'decode tok/s':>22} {'speed-up, paired':>22}  ids")
     for name, _, _ in configs:
         t, s = tps[name], speedup[name]
-        print(f"{name:60} {statistics.median(rate[name]):10.3f} {statistics.median(t):9.1f} "
-              f"[{min(t):.1f}-{max(t):.1f}] {statistics.median(s):9.3f} [{min(s):.3f}-{max(s):.3f}]  "
-              f"{'same' if same[name] else 'DIFFERENT'}")
+        print(f"{name:60} {statistics.median(rate[name]):10.3f} {runner.span(t):>22} "
+              f"{runner.span(s, '.3f'):>22}  {'same' if same[name] else 'DIFFERENT'}")
     result = {"target": target, "drafts": drafts, "num_draft_tokens": a.num_draft_tokens,
               "prompt_tokens": a.prompt_tokens, "tokens": a.tokens, "decode_tps": tps, "acceptance": rate,
               "speedup": speedup, "ids_same": same, "policies": policies,
               "windows": {n: {"drafting": pol.windows[True], "plain": pol.windows[False]}
                           for n, pol in policy.items() if pol.adaptive},
-              "env": describe()}
-    print(json.dumps(result))
+              "env": runner.environment()}
+    medians = {name: statistics.median(s) for name, s in speedup.items()}
+    runner.finish(result, runner.json_path(a.json, "speculative"),
+                  {"benchmark": "mlxrt-speculative", "target": target, "speedup_median": medians})
     return result
 
 

@@ -8,15 +8,15 @@ and how long the caller waited for it; each `WorkerDied` with how long after
 the kill of its worker it reached the caller. After the storm one more request
 must succeed, and no worker process and no shared-memory segment may outlive
 the runtime. tests/test_storm.py runs a short storm through `run_storm` and
-asserts on its record; this command measures a longer one. The last stdout
-line is one JSON document.
+asserts on its record; this command measures a longer one. The table goes to
+stdout, then the path of the JSON document with every request and kill
+(``--json``, benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import random
 import re
@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import psutil
+
+from . import runner
 
 DEFAULT_KILL_EVERY_S = (0.3, 1.2)
 DEFAULT_MAX_TOKENS = (8, 48)
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backoff-max-s", type=float, default=1.0, help="Supervision.backoff_max_s")
     p.add_argument("--transport", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    runner.add_json_arg(p, study="storm")
     args = p.parse_args(argv)
     record = run_storm(args.model, seconds=args.seconds, workers=args.workers, spares=args.spares,
                        threads=args.threads, queue_s=args.queue_s, backoff_max_s=args.backoff_max_s,
@@ -281,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{_f(s['worst_ok_wait_s'])} | {_f(s['median_ok_wait_s'])} | "
           f"{_f(s['worst_worker_died_after_kill_s'])} | {s['hung']} | {s['recovered']} | "
           f"{len(s['orphans'])} | {len(s['segments_left'])} |")
-    from .env import describe
-
-    print(json.dumps({"benchmark": "mlxrt-storm", "model": args.model, **s,
-                      "requests_detail": [asdict(r) for r in record.requests],
-                      "kills_detail": record.kills, "env": describe()}))
+    doc = {"benchmark": "mlxrt-storm", "model": args.model, **s,
+           "requests_detail": [asdict(r) for r in record.requests],
+           "kills_detail": record.kills, "env": runner.environment()}
+    keys = ("kills", "requests", "outcomes", "hung", "recovered", "worst_wait_s")
+    runner.finish(doc, runner.json_path(args.json, "storm"),
+                  {"benchmark": "mlxrt-storm", "model": args.model, **{k: s[k] for k in keys}})
     return 0
 
 

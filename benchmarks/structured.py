@@ -11,7 +11,8 @@
   that completes early does not change the batch being measured; the schema
   asks for at least 50 array items, so replies run to max_tokens.
 
-A table goes to stdout, and the last line is one JSON document.
+A table goes to stdout, then the path of the JSON document (``--json``,
+benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
 from mlxrt.worker.grammar import GrammarCache, _compile
 
-from .env import describe
+from . import runner
 from .measure import ratio_spread, spread
 
 TYPICAL = {
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="max_tokens per stream (default 128)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved A/B rounds (default 5)")
     p.add_argument("--cpu", action="store_true", help="run on MLX's CPU backend even where a GPU is")
+    runner.add_json_arg(p, study="structured")
     args = p.parse_args(argv)
     if args.cpu:
         import mlx.core as mx
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     grammar = Grammar(kind="json_schema", source=json.dumps(LONG))
     decode_rate(engine, 1, 8, grammar)  # compile LONG and warm its lexer outside the measurement
     out: dict = {"preset": args.preset, "tokens": args.tokens, "rounds": args.rounds,
-                 "compile": compile_figures(engine, 20), "decode": {}, "env": describe(),
+                 "compile": compile_figures(engine, 20), "decode": {}, "env": runner.environment(),
                  "typical_schema_replies": validity(engine, 8, 256)}
     for n in levels:
         rates: dict[str, list[float]] = {"plain": [], "json_schema": []}
@@ -180,17 +182,19 @@ def main(argv: list[str] | None = None) -> int:
             "plain_tps": spread(rates["plain"]), "json_schema_tps": spread(rates["json_schema"]),
             "ratio": ratio_spread(rates["json_schema"], rates["plain"]), "completed_early": early,
         }
-    print("| streams | unconstrained tok/s | json_schema tok/s | ratio (median, min-max) |")
+    print("| streams | unconstrained tok/s | json_schema tok/s | ratio, median [min-max] |")
     print("|---|---|---|---|")
     for n, d in out["decode"].items():
         r = d["ratio"]
         print(f"| {n} | {d['plain_tps']['median']:.1f} | {d['json_schema_tps']['median']:.1f} | "
-              f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) |")
+              f"{runner.span(r, '.3f')} |")
     print(f"\ntypical schema, 8 replies of at most 256 tokens: {out['typical_schema_replies']}")
     c = out["compile"]
     print(f"\ncompile (ms): tokenizer {c['tokenizer_ms']:.1f}, edge check {c['check_ms']:.2f}, "
           f"compile {c['compile_ms']:.2f}, first mask {c['first_mask_ms']:.2f}")
-    print(json.dumps(out))
+    ratios = {n: d["ratio"]["median"] for n, d in out["decode"].items()}
+    runner.finish(out, runner.json_path(args.json, "structured"),
+                  {"benchmark": "mlxrt-structured", "preset": args.preset, "ratio_median_by_streams": ratios})
     return 0
 
 

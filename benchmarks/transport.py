@@ -15,7 +15,8 @@ non-blocking read loop). "blocked": the consumer sleeps (ring: spin_us=0, so
 every frame goes through the doorbell; pipe: a blocking read), and frames are
 spaced 1 ms apart so it really is asleep when each one arrives.
 
-The last line of stdout is one JSON document with every figure.
+The tables go to stdout, then the path of the JSON document with every figure (``--json``,
+benchmarks/runner.py) and a short summary line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import struct
 import subprocess
@@ -34,6 +34,8 @@ import msgspec
 from mlxrt.ipc.channel import ChannelClosed
 from mlxrt.ipc.ring import DEFAULT_RING_BYTES, RingChannel, RingSpec, attach_ring
 from mlxrt.ipc.stdio import PipeReceiver, PipeSender
+
+from . import runner
 
 SIZES = [32, 1024, 16 * 1024, 256 * 1024, 1024 * 1024]
 _STAMP = struct.Struct("<q")
@@ -106,7 +108,8 @@ class _Bench:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                os.path.abspath(__file__),
+                "-m",
+                "benchmarks.transport",  # a module of the package (it imports the study runner)
                 "--child",
                 msgspec.json.encode(self.ring.spec).decode(),
                 str(write_fd),
@@ -114,6 +117,7 @@ class _Bench:
             pass_fds=(*self.ring.child_fds, write_fd),
             stdin=subprocess.PIPE,
             text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         self.ring.after_spawn(self.proc.pid)
         os.close(write_fd)
@@ -228,32 +232,11 @@ def _summary(samples: list[float], rounds: list[list[float]]) -> dict[str, objec
 
 
 def _machine() -> dict[str, object]:
-    def git(*args: str) -> str:
-        try:
-            done = subprocess.run(
-                ["git", *args],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            )
-        except OSError:
-            return ""
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    commit = git("rev-parse", "HEAD") or "unknown"
-    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
-        commit += "-dirty"
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_1m": os.getloadavg()[0],  # other work on the box skews every figure
-        "msgspec": msgspec.__version__,
-        "git_commit": commit,
-    }
+    """The study runner's environment, with the load average (other work on the box skews every
+    figure) and the keys this study has always written (``msgspec``, ``git_commit``)."""
+    env = runner.environment()
+    extra = {"loadavg_1m": os.getloadavg()[0], "msgspec": msgspec.__version__, "git_commit": env["commit"]}
+    return {**env, **extra}
 
 
 def run(quick: bool) -> dict:
@@ -348,14 +331,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and samples")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    runner.add_json_arg(parser, study="transport")
     args = parser.parse_args()
     if args.child:
         _child(*args.child)
         return
     res = run(args.quick)
     print(_table(res))
-    print(json.dumps(res))
-
+    rate = {tr: s["median"] for tr, s in res["small_msgs_per_s"].items()}
+    runner.finish(res, runner.json_path(args.json, "transport"),
+                  {"benchmark": "transport", "quick": args.quick, "small_msgs_per_s_median": rate})
 
 if __name__ == "__main__":
     main()

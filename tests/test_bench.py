@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import agents, families, measure, records, report  # noqa: E402
+from benchmarks import agents, e2e, families, measure, records, report, runner  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
 from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
@@ -108,6 +108,24 @@ def test_finite_turns_nan_into_null():
 
 def _row(tps: str, spread: str = "1.0", status: str = "keep", model: str = "m", backend: str = "cpu") -> dict:
     return {"model": model, "backend": backend, "decode_tps": tps, "spread_tps": spread, "status": status}
+
+
+def test_span_prints_median_and_range_or_the_median_alone():
+    """Every study prints a figure as median [min-max]; one sample has no range, none prints a dash."""
+    assert runner.span([3.0, 1.0, 2.0]) == "2.0 [1.0-3.0]"
+    assert runner.span(measure.spread([0.5, 0.25]), ".3f") == "0.375 [0.250-0.500]"
+    assert runner.span([7.0]) == "7.0" and runner.span([]) == "-" and runner.span(None) == "-"
+
+
+def test_summary_line_stays_under_1_kb_and_keeps_status_and_paths():
+    """A study's last line stays under 1 KB: long strings are cut, then figures dropped and named,
+    never its name, status, error or paths."""
+    line = runner.summary_line({"benchmark": "b", "status": "crash", "error": "x" * 5000,
+                                "rows": list(range(300)), "outputs": {"json": "r.json"}})
+    got = json.loads(line)
+    assert len(line.encode()) < runner.SUMMARY_MAX_BYTES and got["truncated"] == ["rows"]
+    assert got["status"] == "crash" and got["error"] == "x" * 300 + "..."
+    assert got["outputs"] == {"json": "r.json"}
 
 
 def test_decide_keeps_within_spread_of_the_best_and_discards_beyond():
@@ -326,7 +344,7 @@ class _Corrupt(Native):
 
 def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
     """A scenario whose ids differ from native's fails the quality gate: exit 1, status token-mismatch."""
-    monkeypatch.setattr(bench, "Embedded", _Corrupt)
+    monkeypatch.setattr(e2e, "Embedded", _Corrupt)
     monkeypatch.setattr("mlxrt.logs.configure", lambda **_kw: None)  # leave this process's logging alone
     code = bench.main(
         [
@@ -346,6 +364,27 @@ def test_token_mismatch_fails_the_run(monkeypatch, capsys, tmp_path):
     doc = json.loads(out.strip().splitlines()[-1])
     assert code == bench.EXIT_GATE and doc["status"] == "token-mismatch"
     assert doc["gate"]["mismatched"] == ["mlxrt-stdio"] and "QUALITY GATE FAILED" in out
+
+
+def test_bench_ends_with_its_tables_and_paths_not_the_document(capsys, tmp_path):
+    """`make bench`'s entry point ends stdout with its tables, the JSON's path and a summary line
+    under 1 KB; the whole document, with the run's date beside the commit, is in the file."""
+    argv = ["--model", "synthetic:tiny", "--quick", "--only", "mlxrt-stdio", "--peers", "none", "--no-plot"]
+    out_json = tmp_path / "r.json"
+    code = bench.main([*argv, "--json", str(out_json)])
+    out = capsys.readouterr().out.strip().splitlines()
+    doc = json.loads(out_json.read_text())
+    s = doc["scenarios"]["mlxrt-stdio"]
+    assert code == 0 and doc["status"] == "ok" and s["runs"]
+    assert doc["env"]["commit"] and doc["env"]["date"].endswith("Z")
+    assert len(out[-1].encode()) < 1024 and "runs" not in out[-1]
+    head = {"scenario": "mlxrt-stdio", "decode_tps": s["decode_tps"]["median"],
+            "ratio_to_native": s["ratio_to_native"]["median"]}
+    assert json.loads(out[-1]) == {"benchmark": "mlxrt-bench", "status": "ok", "elapsed_s": doc["elapsed_s"],
+                                   "gate": {"passed": True, "mismatched": []}, "headline": head,
+                                   "outputs": {"json": str(out_json)}}
+    assert out[-2] == f"written: json {out_json}"  # the tables end with where the document went
+    assert any(line.startswith("end to end") for line in out) and "quality gate" in "\n".join(out).lower()
 
 
 def test_crossed_streams_fail_the_gate():
@@ -609,7 +648,7 @@ def test_a_failing_concurrency_part_keeps_the_single_stream_figures(tmp_path, mo
     def boom(self, *args):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(bench.NativeBatch, "setup", boom)  # as on the H200: no native-batch ids either
+    monkeypatch.setattr(NativeBatch, "setup", boom)  # as on the H200: no native-batch ids either
     monkeypatch.setattr(bench.Suite, "concurrency_references", boom)
     out = tmp_path / "run.json"
     argv = ["--model", "synthetic:tiny", "--part", "native,mlxrt-ring,concurrency", "--streams", "2",
@@ -637,8 +676,9 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc == json.loads(out_json.read_text()) and doc["status"] == "ok"
+    last = json.loads(proc.stdout.strip().splitlines()[-1])  # the summary line, not the document
+    doc = json.loads(out_json.read_text())
+    assert last["status"] == doc["status"] == "ok" and last["outputs"]["json"] == str(out_json)
     ag = doc["agent"]
     want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
             "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
@@ -672,7 +712,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
 
 
 def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
-    """A whole quick run: tables, then one JSON line with every part, the PNG, and a record row."""
+    """A whole quick run: tables, then the JSON document with every part, the PNG, and a record row."""
     out_json, tsv = tmp_path / "bench.json", tmp_path / "results.tsv"
     env = {**os.environ, "OLLAMA_HOST": f"127.0.0.1:{_closed_port()}"}
     cmd = [
@@ -697,8 +737,9 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc == json.loads(out_json.read_text())
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc = json.loads(out_json.read_text())
+    assert last["outputs"] == doc["outputs"] and last["gate"]["passed"] is True
     assert doc["status"] == "ok" and doc["gate"]["passed"] is True, doc["gate"]
     assert {"native", "mlxrt-ring", "mlxrt-stdio"} <= set(doc["scenarios"]), (
         doc["skipped"],
@@ -783,8 +824,9 @@ def test_families_merge_joins_runs_and_refuses_ones_that_differ(tmp_path, capsys
     out = tmp_path / "all.json"
     rc = families.main(["--merge", *map(str, paths), "--out", str(out)])
     doc = json.loads(out.read_text())
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # stdout ends in the JSON line
-    assert last["rows"] == doc["rows"] and last["outputs"] == {"json": str(out)} and "runs" not in last
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # stdout ends in a summary line
+    assert last["rows"] == [{"preset": "a", "status": "ok"}, {"preset": "b", "status": "token-mismatch"}]
+    assert last["outputs"] == {"json": str(out)} and "runs" not in last
     assert rc == 1  # one family failed, as a single run would say
     assert doc["config"]["presets"] == ["a", "b"] and [r["preset"] for r in doc["rows"]] == ["a", "b"]
     assert doc["runs"] == {"a": {"k": 1}, "b": {"k": 1}} and doc["elapsed_s"] == 4.0

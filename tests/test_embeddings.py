@@ -331,19 +331,23 @@ def test_embeddings_without_the_right_model_name(http):
     assert http.post("/v1/embeddings", json={"input": "x"}).status_code == 400
 
 
-def test_benchmark_runs_and_its_vectors_agree_with_native(capsys):
-    """benchmarks/embeddings.py runs every scenario, ends with its JSON line, and every scenario's vectors
+def test_benchmark_runs_and_its_vectors_agree_with_native(capsys, tmp_path):
+    """benchmarks/embeddings.py runs every scenario, writes its JSON document, and every scenario's vectors
     are native's (the benchmark's own gate); it counts the forward passes each scenario took."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:  # `benchmarks` is a folder of the checkout, not an installed package
         sys.path.insert(0, root)
     from benchmarks import embeddings as bench
 
+    out = tmp_path / "embeddings.json"
     result = bench.main(["--preset", "tiny-qwen3-embedding", "--rounds", "1", "--inputs", "6",
-                         "--transport", "stdio"])
+                         "--transport", "stdio", "--json", str(out)])
     assert set(result["scenarios"]) == {"native-b1", "native-b32", "mlxrt-b1", "mlxrt-b32", "mlxrt-c32"}
     assert all(s["max_abs_diff"] <= bench.GATE_ABS_DIFF for s in result["scenarios"].values())
     passes = {name: s["passes_per_32_inputs"] for name, s in result["scenarios"].items()}
     assert passes["native-b1"] == passes["mlxrt-b1"] == [32.0]  # one pass per input, counted by the worker
     assert passes["native-b32"] == [32 / 6] and passes["mlxrt-b32"][0] <= passes["mlxrt-b1"][0]
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == json.loads(json.dumps(result))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and result["env"]["commit"]
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # a summary line, not the document
+    assert last["outputs"] == {"json": str(out)}
+    assert set(last["inputs_per_s_median"]) == set(result["scenarios"])
