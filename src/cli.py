@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import structlog
@@ -39,9 +40,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
                 print(json.dumps(msgspec.to_builtins(stream.stats)), file=sys.stderr)
     except (MlxrtError, ValueError) as exc:
-        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        _error(exc)
         return 1
     return 0
+
+
+def _error(exc: BaseException) -> None:
+    """Print `exc` for a user at a terminal: a bad option named by its flag (--prompt-cache-dir)."""
+    from .ipc.protocol import InvalidField
+
+    flags = {name: f[0] for name, f in {**MODEL_FLAGS, **SAMPLING_FLAGS}.items()}
+    if isinstance(exc, InvalidField) and (exc.field in flags or exc.field in ENGINE_FLAGS):
+        message = exc.named(flags.get(exc.field, "--" + exc.field.replace("_", "-")))
+    else:
+        message = str(exc)
+    print(f"mlxrt: error: {message}", file=sys.stderr)
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -114,7 +127,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               log_level=args.log_level, engine=_engine_options(args), spares=args.spares,
               group=_group(args))
     except (MlxrtError, ValueError) as exc:
-        print(f"mlxrt: error: {exc}", file=sys.stderr)
+        _error(exc)
         return 1
     return 0
 
@@ -131,8 +144,13 @@ def _engine_options(args: argparse.Namespace):
     given = {f: getattr(args, f) for f in names if getattr(args, f, None) is not None}
     if getattr(args, "trust_remote_code", False):
         given["trust_remote_code"] = True
+    if args.command == "serve" and base.prompt_cache_dir is None and "prompt_cache_dir" not in given:
+        given["prompt_cache_dir"] = os.path.expanduser(DEFAULT_DISK_CACHE_DIR)  # a server keeps its prefixes
     return msgspec.structs.replace(base, **given).validate()
 
+
+#: Where `mlxrt serve` keeps the prefix cache's disk tier unless told (--prompt-cache-dir).
+DEFAULT_DISK_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlxrt", "prompt-cache")
 
 #: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens and gather_ms are
 #: mlxrt's own.
@@ -145,6 +163,8 @@ ENGINE_FLAGS = {
     "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",
     "gather_ms": "after several replies end together, ms to hold new requests back so that their "
                  "prefills go together (0: admit at once; mlxrt's own)",
+    "prompt_cache_disk_bytes": "byte budget of the prefix cache's disk tier under --prompt-cache-dir "
+                               "(0: no disk tier; mlxrt's own)",
 }
 
 #: Per-model options (docs/options.md), with mlx_lm.server's and mlx_lm.generate's flag names:
@@ -170,6 +190,9 @@ MODEL_FLAGS = {
                        "Ollama's num_ctx (default: the model's)"),
     "prompt_cache_file": ("--prompt-cache-file", str, "a KV-cache file from 'mlxrt cache-prompt', loaded "
                           "into each worker's prefix cache at start"),
+    "prompt_cache_dir": ("--prompt-cache-dir", str, "the prefix cache's disk tier: prefixes kept here "
+                         "outlive eviction, restarts and crashes (serve's default: "
+                         f"{DEFAULT_DISK_CACHE_DIR}; generate: none)"),
 }
 #: Default sampling for requests that leave it out (mlx_lm.server's --temp, ...): serve only.
 SAMPLING_FLAGS = {

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 6: InvalidField's field in Failed (kind, field); EngineOptions.prompt_cache_dir and
+#: prompt_cache_disk_bytes; EngineReport.disk_cache_*.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
 PROTOCOL_VERSION = 6
@@ -251,6 +253,8 @@ MIN_AUTO_PROMPT_CACHE_BYTES = 1 << 30
 MAX_AUTO_PROMPT_CACHE_BYTES = 64 << 30
 #: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: under 1 GB).
 DEFAULT_EMBED_BATCH_TOKENS = 16384
+#: The disk tier's byte budget when none is given: room for a few agents' 40k-token sessions on an 8B.
+DEFAULT_PROMPT_CACHE_DISK_BYTES = 32 << 30
 #: An H200's agents sent their next turns 5-25 ms apart after their replies ended on one step
 #: (docs/benchmarks/gpu-h200-families.md#reading-it-2): the window covers that with room.
 DEFAULT_GATHER_MS = 50
@@ -326,6 +330,10 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: After several replies end on one step, how long (ms) the worker holds new requests back to
     #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
     gather_ms: int = DEFAULT_GATHER_MS
+    #: The prefix cache's disk tier (docs/engine.md, durable prefixes): its directory (None: no disk
+    #: tier) and byte budget, shared by every worker of the model and the next process.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -334,6 +342,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0, "prompt_cache_bytes",
                "must be >= 0", self.prompt_cache_bytes)
+        _check(self.prompt_cache_disk_bytes >= 0, "prompt_cache_disk_bytes", "must be >= 0",
+               self.prompt_cache_disk_bytes)
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(0 <= self.gather_ms <= MAX_GATHER_MS, "gather_ms", f"must be in [0, {MAX_GATHER_MS}]",
                self.gather_ms)
@@ -706,6 +716,14 @@ class EngineReport(msgspec.Struct, kw_only=True):
     prompt_cache_hits: int = 0
     prompt_cache_misses: int = 0
     cached_tokens_total: int = 0
+    #: The prefix cache's disk tier: bytes on disk, its budget, entries, prefixes loaded from it, entries
+    #: written, entries removed as corrupt or foreign (all 0 without a disk tier).
+    disk_cache_bytes: int = 0
+    disk_cache_cap_bytes: int = 0
+    disk_cache_entries: int = 0
+    disk_cache_hits: int = 0
+    disk_cache_writes: int = 0
+    disk_cache_removed: int = 0
 
 
 class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):

@@ -140,7 +140,8 @@ def engine_from_env() -> EngineOptions:
     MLXRT_DECODE_CONCURRENCY, MLXRT_PROMPT_CONCURRENCY, MLXRT_PREFILL_STEP_SIZE,
     MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off), MLXRT_SINGLE_STREAM (0: a lone request
     goes through the batch too), MLXRT_EMBED_BATCH_TOKENS (an embedding model's padded tokens per pass),
-    MLXRT_GATHER_MS (how long new requests are held back after a wave of replies, 0: not at all).
+    MLXRT_GATHER_MS (how long new requests are held back after a wave of replies, 0: not at all),
+    MLXRT_PROMPT_CACHE_DIR and MLXRT_PROMPT_CACHE_DISK_BYTES (the prefix cache's disk tier; unset: none).
     """
     b = EngineOptions()
     return EngineOptions(
@@ -151,4 +152,6 @@ def engine_from_env() -> EngineOptions:
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
         embed_batch_tokens=_env_int("MLXRT_EMBED_BATCH_TOKENS", b.embed_batch_tokens),
         gather_ms=_env_int("MLXRT_GATHER_MS", b.gather_ms),
+        prompt_cache_dir=os.environ.get("MLXRT_PROMPT_CACHE_DIR") or None,
+        prompt_cache_disk_bytes=_env_int("MLXRT_PROMPT_CACHE_DISK_BYTES", b.prompt_cache_disk_bytes),
     ).validate()

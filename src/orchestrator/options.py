@@ -18,6 +18,7 @@ the synthetic preset's config for ``synthetic:`` references.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from ..ipc.protocol import EngineOptions
+from ..ipc.protocol import EngineOptions, InvalidField
 from ..synthetic.presets import parse_synthetic, synthetic_preset
 from .errors import ModelLoadError
 from .models import SYNTHETIC_PREFIX, resolve_model
@@ -92,6 +93,8 @@ def prepare(name: str, spec: ModelSpec, base: EngineOptions) -> tuple[str, Engin
         check_chat_template(template)
     if opts.prompt_cache_file is not None:
         changes["prompt_cache_file"] = _file(opts.prompt_cache_file, "prompt_cache_file")
+    if opts.prompt_cache_dir is not None and opts.prompt_cache_disk_bytes:
+        changes["prompt_cache_dir"] = writable_dir(opts.prompt_cache_dir, "prompt_cache_dir")
     _check_model_fit(opts, config, name)
     return target, msgspec.structs.replace(opts, **changes)
 
@@ -195,6 +198,22 @@ def _file(value: str, name: str) -> str:
     path = Path(value).expanduser()
     if not path.is_file():
         raise ModelLoadError(f"invalid {name}={value!r}: no such file")
+    return str(path.resolve())
+
+
+def writable_dir(value: str, name: str) -> str:
+    """`value` as an absolute directory this process can write (made if missing); `InvalidField`
+    naming `name` if it is a file or cannot be written."""
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InvalidField(name, f"={value!r}: a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".mlxrt-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise InvalidField(name, f"={value!r}: cannot write there ({exc.strerror or exc})") from None
     return str(path.resolve())
 
 

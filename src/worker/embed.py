@@ -227,6 +227,9 @@ class Embedder:
         for req_id in list(self._requests):
             self.cancel(req_id)
 
+    def close(self) -> None:
+        """The worker is stopping: an embedding model keeps nothing to write."""
+
     def step(self) -> None:
         """One forward pass over the next batch of inputs; requests it completes are answered."""
         batch, width = self._waiting.next()

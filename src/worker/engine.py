@@ -71,6 +71,7 @@ from ..ipc.protocol import (
     Stats,
 )
 from .choices import ChoiceGroup
+from .disk_cache import DiskTier, model_identity
 from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
@@ -172,6 +173,7 @@ class Engine(PromptBuilder):
         #: The prefix cache's byte cap: the options', or this worker's share of the machine's memory.
         self.prompt_cache_bytes = (auto_prompt_cache_bytes(prompt_cache_share) if o.prompt_cache_bytes is None
                                    else o.prompt_cache_bytes)
+        self._disk = self._disk_tier()
         self.prefix_cache = self._new_prefix_cache()
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
@@ -256,6 +258,11 @@ class Engine(PromptBuilder):
         solo = [self._solo.seq] if self._solo is not None else []
         for seq in [*self._waiting, *solo, *self._running.values()]:
             self.cancel(seq.req.id)
+
+    def close(self) -> None:
+        """The worker is stopping: write what the disk tier has queued (at most its flush timeout)."""
+        if self._disk is not None:
+            self._disk.close()
 
     def step(self) -> None:
         """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,
@@ -347,6 +354,7 @@ class Engine(PromptBuilder):
         if tokens <= 0:
             return
         t0 = time.perf_counter()
+        self.prefix_cache = self._new_prefix_cache(disk=False)  # warm-up prompts are no prefix to keep
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         # With a draft, long enough for a full round: the target scores num_draft_tokens + 1 tokens.
         lone = SamplingParams(max_tokens=tokens + (self.draft.num_draft_tokens + 1 if self.draft else 0),
@@ -371,9 +379,23 @@ class Engine(PromptBuilder):
             self.draft.policy.reset()
         self.warmup_s = time.perf_counter() - t0
 
-    def _new_prefix_cache(self) -> PrefixCache:
+    def _new_prefix_cache(self, *, disk: bool = True) -> PrefixCache:
+        """An empty prefix cache over the disk tier (`disk`: a warm-up's has none: it is no prefix to
+        keep). A worker group keeps no disk tier: every rank holds its own shard."""
         total = self.group.total if self.group is not None and self.group.size > 1 else None
-        return PrefixCache(self.prompt_cache_bytes, total)
+        tier = self._disk if disk and total is None else None
+        return PrefixCache(self.prompt_cache_bytes, total, tier)
+
+    def _disk_tier(self) -> DiskTier | None:
+        """The prefix cache's disk tier the options ask for, keyed by what makes a cache valid here."""
+        o = self.options
+        if o.prompt_cache_dir is None or not o.prompt_cache_disk_bytes or not self.prompt_cache_bytes:
+            return None
+        extra = {k: getattr(o, k) for k in ("adapter_path", "chat_template", "kv_bits", "kv_group_size",
+                                             "quantized_kv_start", "max_kv_size")}
+        kinds = [type(c).__name__ for c in make_cache(self.model, o.max_kv_size)]
+        return DiskTier(o.prompt_cache_dir, model_identity(self.path, extra), o.prompt_cache_disk_bytes,
+                        kinds=kinds)
 
     def _long_warmup_ids(self, tokens: int) -> list[int]:
         """A prompt two prefill steps and a bit long, within the context.
@@ -708,6 +730,9 @@ class Engine(PromptBuilder):
         self._end_forks(seq)
         if cache is not None and reason != "cancelled":
             self.prefix_cache.insert(tokens, cache, "assistant")
+        if seq.first_at and seq.admitted_at and seq.first_at > seq.admitted_at:
+            prefilled = len(seq.ids) - seq.cached_tokens
+            self.prefix_cache.note_prefill(prefilled, prefilled / (seq.first_at - seq.admitted_at))
         rest = seq.text.finish()
         if seq.reply is None:
             seq.listener.done(seq.req.id, seq.stats(reason), rest)

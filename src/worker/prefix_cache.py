@@ -18,15 +18,25 @@ what the engine needs around it:
   or their prefills (and their collectives) would part ways.
 
 Entries are deep copies: a reused cache is extended in place by the batch.
+
+Under it, optionally, a disk tier (`disk_cache.DiskTier`): every entry inserted
+is also written to disk in the background, and a prompt whose longest prefix
+on disk is longer than in memory loads it from there (where reading beats
+prefilling), so a prefix outlives eviction, an unload, a restart or a crash.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from ..ipc.protocol import EngineReport
+
+if TYPE_CHECKING:
+    from .disk_cache import DiskTier
 
 #: LRUPromptCache keys entries by model too; a worker serves one model.
 _MODEL_KEY = "model"
@@ -42,9 +52,14 @@ class PrefixCache:
     together, and every rank evicts the same entries.
     """
 
-    def __init__(self, max_bytes: int, total: Callable[[int], int] | None = None) -> None:
+    def __init__(self, max_bytes: int, total: Callable[[int], int] | None = None,
+                 disk: DiskTier | None = None) -> None:
         self.max_bytes = max_bytes
         self._total = total
+        self.disk = disk if max_bytes > 0 else None
+        #: The engine's prefill rate, tokens/s (EWMA of finished requests'), against which a disk load
+        #: must be faster; None until one is measured.
+        self.prefill_tps: float | None = None
         cap = max(max_bytes, 0) if total is None else 1 << 62  # a group evicts in `_evict`
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=cap)
         self.hits = 0
@@ -68,6 +83,8 @@ class PrefixCache:
         The prefix is at most ``len(ids) - 1`` tokens long; (None, 0) on a miss.
         """
         cache, n = self._fetch(ids) if self.enabled and len(ids) > 1 else (None, 0)
+        if self.disk is not None and len(ids) > 1:
+            cache, n = self._from_disk(ids, cache, n)
         if n:
             self.hits += 1
             self.cached_tokens += n
@@ -88,6 +105,27 @@ class PrefixCache:
         cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, ids[:-1])
         return (cache, len(ids) - 1 - len(rest)) if cache is not None else (None, 0)
 
+    def _from_disk(self, ids: list[int], cache: list | None, n: int) -> tuple[list | None, int]:
+        """The disk tier's prefix of `ids` where it is longer than memory's `n` tokens and reading it
+        beats prefilling the difference; it joins the memory tier too."""
+        while True:  # an entry that does not load is removed: the next longest may
+            entry = self.disk.find(ids, n)
+            if entry is None or not self.disk.worth_loading(entry, entry.tokens - n, self.prefill_tps):
+                return cache, n
+            loaded = self.disk.load(entry, ids)
+            if loaded is not None:
+                break
+        self.disk.hits += 1
+        kept = copy.deepcopy(loaded)  # the batch extends the returned copy in place
+        self._lru.insert_cache(_MODEL_KEY, list(ids[: entry.tokens]), kept, cache_type="user")
+        return loaded, entry.tokens
+
+    def note_prefill(self, tokens: int, tokens_per_s: float) -> None:
+        """A request prefilled `tokens` at `tokens_per_s`: the rate a disk load is weighed against."""
+        if tokens >= 64 and tokens_per_s > 0:
+            rate = self.prefill_tps
+            self.prefill_tps = tokens_per_s if rate is None else 0.8 * rate + 0.2 * tokens_per_s
+
     def insert(self, tokens: list[int], cache: list, kind: str = "assistant") -> None:
         """Keep `cache`, which holds exactly `tokens`; evict to stay under the byte cap.
 
@@ -98,6 +136,8 @@ class PrefixCache:
             self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
             if self._total is not None:
                 self._evict(self._total)
+            if self.disk is not None:
+                self.disk.put(tokens, cache)
 
     def _evict(self, total: Callable[[int], int]) -> None:
         """Evict least-recently-used entries, the same on every rank, until the group's bytes fit."""
@@ -114,4 +154,11 @@ class PrefixCache:
         report.prompt_cache_hits = self.hits
         report.prompt_cache_misses = self.misses
         report.cached_tokens_total = self.cached_tokens
+        if self.disk is not None:
+            report.disk_cache_bytes = self.disk.nbytes
+            report.disk_cache_cap_bytes = self.disk.max_bytes
+            report.disk_cache_entries = len(self.disk)
+            report.disk_cache_hits = self.disk.hits
+            report.disk_cache_writes = self.disk.writes
+            report.disk_cache_removed = self.disk.removed
         return report

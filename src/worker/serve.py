@@ -309,6 +309,7 @@ class Server:
         for req, _ in inbox:
             self.done(req.id, Stats(finish_reason="cancelled"), "")
         self._engine.cancel_all()
+        self._engine.close()
 
     # -- the engine's listener (MLX thread) --
     def started(self, req_id: int) -> None:

@@ -1,0 +1,335 @@
+"""The prefix cache's disk tier: KV caches of prompt prefixes in files that outlive eviction, unloads,
+restarts and crashes, shared by every worker of the model and the next process.
+
+::
+
+    DIR/<model identity>/<tokens>-<sha256 of the token ids>.safetensors
+
+- The identity (`model_identity`) hashes what makes a cache valid: the weights (config.json and
+  the weight files' names, sizes and times), the adapter, the KV-cache options and the chat
+  template. A cache made by another model or other options lives under another identity and is
+  never looked at.
+- An entry is written by mlx-lm's `save_prompt_cache` (every cache kind: `KVCache`, rotating,
+  `ArraysCache`, quantized; the checkpoints the engine keeps for caches that cannot be trimmed are
+  entries like any other), its token ids and identity in the file's metadata. It is written in
+  the background, never on a decode step, to a temporary name and renamed into place: a crash
+  mid-write leaves nothing that loads, and two workers writing the same prefix leave one entry.
+- The index is the directory listing (the length and digest are in the name): a lookup hashes the
+  prompt's prefixes at the lengths the index holds, in one pass, and a miss reads the listing
+  again at most every `RESCAN_S` (other workers' entries).
+- Loading checks the metadata (identity, token ids) and the cache's kinds and length against the
+  model; a truncated or corrupt entry, one from another model, one of the wrong kind or length is
+  removed with a warning, never used.
+- Least-recently-used within the byte budget (a load touches the file's time).
+- A prefix is loaded only where that is faster than prefilling it (`worth_loading`: the bytes at
+  the disk's measured read rate against the tokens at the engine's measured prefill rate).
+- A directory that cannot be written, or a full disk, turns the tier off with one warning; serving
+  goes on from memory.
+
+Written by hand: mlx-lm's `LRUPromptCache` is memory-only, and the peers' disk caches are
+their servers' own code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import structlog
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+log = structlog.get_logger("mlxrt.worker")
+
+SUFFIX = ".safetensors"
+TOKENS_KEY = "mlxrt_tokens"  # no dot: mlx-lm flattens metadata keys on dots
+IDENTITY_KEY = "mlxrt_identity"
+#: A miss reads the directory again at most this often (s): entries other workers wrote meanwhile.
+RESCAN_S = 2.0
+#: Prefixes shorter than this are not written: prefilling them costs less than a file.
+MIN_TOKENS = 32
+#: Until a load is measured, the disk is taken to read this fast (bytes/s); a laptop's SSD reads more.
+ASSUMED_READ_BPS = 500e6
+#: Entries queued for writing at most; past that the oldest waiting write is dropped.
+MAX_QUEUED_WRITES = 8
+
+
+#: A lone sequence's KV cache may be quantized (--kv-bits): it stands where the model's `KVCache` does.
+_QUANTIZED_AS = {"QuantizedKVCache": "KVCache"}
+
+
+@dataclass
+class Entry:
+    tokens: int
+    digest: str
+    path: Path
+    nbytes: int
+    used: float
+    #: Written or loaded by this process: known whole. An entry found on disk is rewritten when this
+    #: process keeps the same prefix (it may be a torn or foreign file).
+    verified: bool = False
+
+
+def model_identity(path: str, extra: dict[str, object]) -> str:
+    """A digest of what makes a cache valid for this model: its config and weight files (names, sizes,
+    times) and `extra` (adapter, KV options, chat template...)."""
+    root = Path(path)
+    h = hashlib.sha256()
+    try:
+        h.update((root / "config.json").read_bytes())
+        for f in sorted(root.glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    except OSError:
+        h.update(str(root.resolve()).encode())
+    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:32]
+
+
+def _unlink(path: Path) -> None:
+    """Remove `path` if it is there; a directory gone meanwhile is no error."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:40]
+
+
+class DiskTier:
+    """The disk tier of one model's prefix cache (see the module docstring).
+
+    `kinds`: the class names of a fresh cache of the model, which a loaded one must match.
+    """
+
+    def __init__(self, root: str, identity: str, max_bytes: int, *, kinds: list[str]) -> None:
+        self.dir = Path(root) / identity
+        self.identity = identity
+        self.max_bytes = max_bytes
+        self.kinds = kinds
+        self.enabled = max_bytes > 0 and all(hasattr(mlx_cache, k) for k in kinds)
+        self.hits = self.loads = self.writes = self.removed = 0
+        self.read_bps = ASSUMED_READ_BPS
+        self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()
+        self._scanned = 0.0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if not self.enabled:
+            if max_bytes > 0:
+                log.warning("disk_cache.off", reason=f"cache kinds {kinds} cannot be saved by mlx-lm")
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            self._off(f"cannot write {self.dir}: {exc}")
+            return
+        self._scan()
+        self._thread = threading.Thread(target=self._write_loop, name="mlxrt-disk-cache", daemon=True)
+        self._thread.start()
+
+    # -- lookups (MLX thread) --------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, ids: list[int], longer_than: int) -> Entry | None:
+        """The longest entry whose tokens begin `ids`, leaves one token of it to prefill, and is longer
+        than `longer_than` tokens; None if there is none."""
+        if not self.enabled or len(ids) - 1 <= max(longer_than, MIN_TOKENS - 1):
+            return None
+        found = self._longest(ids, longer_than)
+        if found is None and time.monotonic() - self._scanned > RESCAN_S:
+            self._scan()
+            found = self._longest(ids, longer_than)
+        return found
+
+    def _longest(self, ids: list[int], longer_than: int) -> Entry | None:
+        with self._lock:
+            by_length: dict[int, list[Entry]] = {}
+            for e in self._entries.values():
+                if longer_than < e.tokens < len(ids):
+                    by_length.setdefault(e.tokens, []).append(e)
+        for n in sorted(by_length, reverse=True):
+            digest = _digest(ids[:n])
+            match = next((e for e in by_length[n] if e.digest == digest), None)
+            if match is not None:
+                return match
+        return None
+
+    def worth_loading(self, entry: Entry, gain_tokens: int, prefill_tps: float | None) -> bool:
+        """Whether reading `entry` is faster than prefilling the `gain_tokens` it saves (at the engine's
+        measured `prefill_tps`; unknown: load)."""
+        if not prefill_tps:
+            return True
+        return entry.nbytes / self.read_bps < gain_tokens / prefill_tps
+
+    def load(self, entry: Entry, ids: list[int]) -> list | None:
+        """`entry`'s cache, checked against `ids` and the model; None (the entry removed, with a
+        warning) if it does not load or does not fit."""
+        t0 = time.perf_counter()
+        try:
+            cache, meta = load_prompt_cache(str(entry.path), return_metadata=True)
+            mx.eval([c.state for c in cache])
+        except Exception as exc:  # truncated, corrupt, or not a cache file at all
+            self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
+            return None
+        problem = self._problem(cache, meta, ids[: entry.tokens])
+        if problem:
+            self._remove(entry, problem)
+            return None
+        seconds = time.perf_counter() - t0
+        if seconds > 0:
+            self.read_bps = 0.5 * self.read_bps + 0.5 * entry.nbytes / seconds
+        entry.used, entry.verified = time.time(), True
+        try:
+            os.utime(entry.path)
+        except OSError:
+            pass
+        self.loads += 1
+        return cache
+
+    def _problem(self, cache: list, meta: dict, tokens: list[int]) -> str | None:
+        if meta.get(IDENTITY_KEY) != self.identity:
+            return "made by another model or other options"
+        try:
+            saved = json.loads(meta.get(TOKENS_KEY, "null"))
+        except ValueError:
+            saved = None
+        if saved != tokens:
+            return "its token ids are not the prefix its name says"
+        kinds = [type(c).__name__ for c in cache]
+        if [_QUANTIZED_AS.get(k, k) for k in kinds] != self.kinds:
+            return f"its cache kinds {kinds} are not the model's {self.kinds}"
+        offsets = {getattr(c, "offset", len(tokens)) for c in cache}
+        if offsets != {len(tokens)}:
+            return f"its caches hold {sorted(offsets)} tokens, not {len(tokens)}"
+        return None
+
+    # -- writes (background) ---------------------------------------------------
+    def put(self, tokens: list[int], cache: list) -> None:
+        """Queue `cache` (holding exactly `tokens`) to be written; called on the MLX thread, which
+        evaluates it first so the writer only reads memory."""
+        if not self.enabled or len(tokens) < MIN_TOKENS:
+            return
+        digest = _digest(list(tokens))
+        with self._lock:
+            known = self._entries.get(digest)
+            if known is not None and known.verified:
+                return
+        mx.eval([c.state for c in cache])
+        if self._queue.qsize() >= MAX_QUEUED_WRITES:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+        self._queue.put((list(tokens), digest, cache))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until the queued writes are on disk (tests, shutdown), at most `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while self._thread is not None and self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self.enabled:
+                    self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, tokens: list[int], digest: str, cache: list) -> None:
+        final = self.dir / f"{len(tokens)}-{digest}{SUFFIX}"
+        tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{digest}{SUFFIX}"
+        try:
+            save_prompt_cache(str(tmp), cache, {TOKENS_KEY: json.dumps(tokens), IDENTITY_KEY: self.identity})
+            os.replace(tmp, final)  # atomic: readers see the whole file or none
+            nbytes = final.stat().st_size
+        except Exception as exc:  # a full disk, a directory taken away: off, serving goes on
+            _unlink(tmp)
+            self._off(f"cannot write {final}: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            self._entries[digest] = Entry(len(tokens), digest, final, nbytes, time.time(), verified=True)
+        self.writes += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        """Remove least-recently-used entries until the tier fits its byte budget."""
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: e.used)
+            total = sum(e.nbytes for e in entries)
+            victims = []
+            while entries and total > self.max_bytes:
+                e = entries.pop(0)
+                total -= e.nbytes
+                victims.append(e)
+                del self._entries[e.digest]
+        for e in victims:
+            _unlink(e.path)
+
+    # -- the index ---------------------------------------------------------------
+    def _scan(self) -> None:
+        """Read the directory: every entry, by the length and digest in its name."""
+        found: dict[str, Entry] = {}
+        try:
+            with os.scandir(self.dir) as it:
+                for f in it:
+                    name = f.name
+                    if name.startswith(".") or not name.endswith(SUFFIX):
+                        continue
+                    length, _, digest = name[: -len(SUFFIX)].partition("-")
+                    if not length.isdigit() or not digest:
+                        continue
+                    st = f.stat()
+                    found[digest] = Entry(int(length), digest, Path(f.path), st.st_size, st.st_mtime)
+        except OSError as exc:
+            self._off(f"cannot read {self.dir}: {exc}")
+            return
+        with self._lock:
+            for digest, e in found.items():
+                known = self._entries.get(digest)
+                if known is not None and known.nbytes == e.nbytes:
+                    e.verified = known.verified
+            self._entries = found
+        self._scanned = time.monotonic()
+
+    def _remove(self, entry: Entry, why: str) -> None:
+        log.warning("disk_cache.entry_removed", path=str(entry.path), reason=why)
+        self.removed += 1
+        with self._lock:
+            self._entries.pop(entry.digest, None)
+        _unlink(entry.path)
+
+    def _off(self, why: str) -> None:
+        if self.enabled:
+            log.warning("disk_cache.off", reason=why, hint="serving goes on from memory")
+        self.enabled = False
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        if self._thread is not None:
+            self.flush()
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None

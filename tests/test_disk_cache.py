@@ -1,0 +1,155 @@
+"""The prefix cache's disk tier: prefixes that outlive the engine, every cache kind, and bad entries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlxrt import InvalidField, Runtime
+from mlxrt.ipc.protocol import EngineOptions
+from mlxrt.synthetic.build import ensure_model
+from mlxrt.worker.engine import Engine
+from support import chat, gen, run_alone
+
+QUESTION = "What is the weather like by the sea today?"
+
+
+def engine(preset: str, root: Path, **options) -> Engine:
+    """An in-process engine whose prefix cache has a disk tier under `root`."""
+    return Engine(str(ensure_model(preset)), options=EngineOptions(prompt_cache_dir=str(root), **options))
+
+
+def entries(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.safetensors") if not p.name.startswith("."))
+
+
+def ask(e: Engine, i: int, question: str = QUESTION) -> tuple[list[int], object]:
+    return run_alone(e, gen(i, messages=chat(question), max_tokens=12))
+
+
+@pytest.mark.parametrize("preset, options", [
+    ("tiny", {}),
+    ("tiny-qwen3.5", {}),  # linear attention: ArraysCache checkpoints
+    ("tiny-gemma3", {}),  # sliding-window layers: RotatingKVCache
+    ("tiny", {"max_kv_size": 256}),  # every layer rotating
+    ("small", {"kv_bits": 8, "quantized_kv_start": 0}),  # a lone request's quantized KV (small: head size 64)
+], ids=["kv", "arrays", "gemma3-rotating", "rotating", "quantized"])
+def test_a_new_engine_starts_from_the_prefixes_on_disk(tmp_path, preset, options):
+    """A prefix kept by one engine is loaded by the next one (a restart) for every cache kind, and its
+    reply is the reply without the cache."""
+    first = engine(preset, tmp_path, **options)
+    cold, cold_stats = ask(first, 1)
+    first.close()
+    assert cold_stats.cached_tokens == 0 and entries(tmp_path)
+    second = engine(preset, tmp_path, **options)
+    warm, warm_stats = ask(second, 2)
+    assert warm == cold
+    assert warm_stats.cached_tokens > 0
+    report = second.report()
+    assert report.disk_cache_hits >= 1 and report.disk_cache_entries >= 1
+    second.close()
+
+
+def test_a_corrupt_entry_is_removed_never_loaded(tmp_path):
+    """A truncated entry is skipped and removed with a warning; the request is served as if uncached."""
+    first = engine("tiny", tmp_path)
+    cold, _ = ask(first, 1)
+    first.close()
+    for path in entries(tmp_path):
+        path.write_bytes(path.read_bytes()[:100])
+    second = engine("tiny", tmp_path)
+    warm, stats = ask(second, 2)
+    assert warm == cold and stats.cached_tokens == 0
+    assert second.report().disk_cache_removed >= 1
+    second.close()
+    assert all(p.stat().st_size > 100 for p in entries(tmp_path))  # only whole entries written since
+
+
+def test_another_models_entry_is_never_used(tmp_path):
+    """Other options are another identity: their entries are never looked at, and one of theirs placed
+    under this identity's name is refused by its metadata and removed."""
+    first = engine("tiny", tmp_path, max_kv_size=256)
+    ask(first, 1)
+    first.close()
+    foreign = entries(tmp_path)
+    second = engine("tiny", tmp_path)
+    cold, stats = ask(second, 2)
+    assert stats.cached_tokens == 0  # nothing of the other identity's
+    second.close()
+    mine = [p for p in entries(tmp_path) if p.parent != foreign[0].parent]
+    assert mine and len({p.parent for p in entries(tmp_path)}) == 2  # one directory per identity
+    for path in mine:  # the other identity's bytes under this identity's names
+        path.write_bytes(foreign[0].read_bytes())
+    third = engine("tiny", tmp_path)
+    again, stats = ask(third, 3)
+    assert again == cold and stats.cached_tokens == 0
+    assert third.report().disk_cache_removed >= 1
+    third.close()
+
+
+def test_the_disk_tier_stays_within_its_byte_budget(tmp_path):
+    """Distinct prompts past the budget: least recently used entries go, the rest fit."""
+    budget = 400_000
+    e = engine("tiny", tmp_path, prompt_cache_disk_bytes=budget)
+    for i in range(6):
+        ask(e, i, f"Question number {i}: " + "tell me about the tides and the rocks. " * 6)
+    e.close()
+    assert entries(tmp_path)
+    assert sum(p.stat().st_size for p in entries(tmp_path)) <= budget
+
+
+def test_two_engines_writing_one_prefix_leave_one_entry(tmp_path):
+    """Two workers keeping the same prefix: one entry per prefix, whole."""
+    a, b = engine("tiny", tmp_path), engine("tiny", tmp_path)
+    ids_a, _ = ask(a, 1)
+    ids_b, _ = ask(b, 1)
+    a.close()
+    b.close()
+    assert ids_a == ids_b
+    names = [p.name for p in entries(tmp_path)]
+    assert names and len(names) == len(set(names))
+
+
+def test_a_directory_that_goes_away_turns_the_tier_off(tmp_path):
+    """The directory replaced by a file mid-run: writes fail, the tier turns off, serving goes on."""
+    root = tmp_path / "cache"
+    e = engine("tiny", root)
+    for d in sorted(root.iterdir()):  # the identity's directory, empty so far
+        d.rmdir()
+        d.write_bytes(b"not a directory")
+    ids, _ = ask(e, 1)
+    e.close()
+    assert len(ids) == 12 and not e.report().disk_cache_entries
+    assert e._disk is not None and not e._disk.enabled
+
+
+def test_runtime_restart_reuses_a_chat_prefix(tmp_path, tiny_model):
+    """Real workers: a runtime closed and started again answers a chat's next request from disk, the
+    same ids."""
+    opts = EngineOptions(prompt_cache_dir=str(tmp_path))
+    msgs = [{"role": "system", "content": "You answer at length about the sea. " * 8},
+            {"role": "user", "content": QUESTION}]
+    with Runtime(model=tiny_model, engine=opts) as rt:
+        cold = rt.generate(msgs, max_tokens=8, ignore_eos=True)
+    with Runtime(model=tiny_model, engine=opts) as rt:
+        warm = rt.generate(msgs, max_tokens=8, ignore_eos=True)
+        (memory,) = rt.memory()
+    assert memory.disk_cache_hits >= 1 and memory.disk_cache_entries >= 1 and memory.disk_cache_bytes > 0
+    assert warm.tokens == cold.tokens
+    assert cold.stats.cached_tokens == 0 and warm.stats.cached_tokens > 0
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path, tiny_model):
+    """--prompt-cache-dir naming a file: refused before any worker starts, in Python by its field and
+    by `mlxrt serve` by its flag."""
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(InvalidField) as err:
+        Runtime(model=tiny_model, engine=EngineOptions(prompt_cache_dir=str(file)))
+    assert err.value.field == "prompt_cache_dir"
+    out = subprocess.run([sys.executable, "-m", "mlxrt", "serve", "--model", tiny_model, "--port", "0",
+                          "--prompt-cache-dir", str(file)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--prompt-cache-dir" in out.stderr and "not a directory" in out.stderr
