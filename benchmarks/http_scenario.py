@@ -242,6 +242,9 @@ class HttpStream(_ServerProcess):
                 str(self.port),
                 "--transport",
                 self.transport,
+                # The disk tier would carry prefixes between rounds and runs; the peers keep none.
+                "--prompt-cache-disk-bytes",
+                "0",
                 *self.extra_args,
             ]
         )

@@ -150,6 +150,7 @@ def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path, tiny_mo
         Runtime(model=tiny_model, engine=EngineOptions(prompt_cache_dir=str(file)))
     assert err.value.field == "prompt_cache_dir"
     out = subprocess.run([sys.executable, "-m", "mlxrt", "serve", "--model", tiny_model, "--port", "0",
-                          "--prompt-cache-dir", str(file)], capture_output=True, text=True, timeout=120)
+                          "--prompt-cache-dir", str(file), "--prompt-cache-disk-bytes", str(1 << 30)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--prompt-cache-dir" in out.stderr and "not a directory" in out.stderr
