@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,7 @@ from .env import describe
 from .measure import spread
 
 PROBE_ITERATIONS = 200
+PROBE_TIMEOUT_S = 600
 METRICS = ("prefill_tps", "ttft_ms", "decode_tps", "batch_tps")
 
 
@@ -132,10 +134,32 @@ def probe(args) -> dict:
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                       cwd=Path(__file__).resolve().parent.parent))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"probe ranks exited with {[p.returncode for p in procs]}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    return json.loads(_wait_all(procs, PROBE_TIMEOUT_S).strip().splitlines()[-1])
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str:
+    """Rank 0's stdout once every probe rank exited 0; at the first that fails (or past `timeout_s`),
+    the others are killed (a rank left inside a collective would wait for the lost one) and
+    `RuntimeError` gives each rank's exit code. Each rank's stderr is this process's."""
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(procs[0].stdout.read()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = any(p.poll() for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            codes = [p.wait() for p in procs]
+            why = "a rank failed" if failed else f"they ran past {timeout_s:g} s (PROBE_TIMEOUT_S)"
+            raise RuntimeError(f"probe ranks exited with {codes}: {why}; their stderr is above")
+        time.sleep(0.2)
+    reader.join(10)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"probe ranks exited with {codes}; their stderr is above")
+    return out[0] if out else ""
 
 
 def mlx_lm_ids(group, args) -> tuple[list[list[int]], list[float]]:
@@ -170,17 +194,19 @@ def _builtins(obj):
 def probe_rank(spec_json: str, args) -> None:
     """One probe rank: join as a worker's rank does, time the collectives, then generate each round's
     lone prompt with mlx-lm's own `generate_step` over `sharded_load`: the reference for a group."""
-    import mlx.core as mx
     import msgspec
     import structlog
-    from mlx_lm.generate import generation_stream
     from mlxrt import logs
     from mlxrt.ipc.protocol import Generate, GroupRank, SamplingParams, Step
     from mlxrt.worker.group import Lockstep, join
 
     logs.configure(level="warning")  # stderr: stdout carries the result
     spec = msgspec.convert(json.loads(spec_json), GroupRank)
+    # MLX only after join: it sets what CUDA reads once (CUDA_VISIBLE_DEVICES) and picks the device.
     group = join(spec, None, structlog.get_logger("probe"))  # type: ignore[arg-type]
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
     lead = group.rank == 0
     new = Step(generate=[Generate(id=1, params=SamplingParams(max_tokens=256), prompt_ids=list(range(512)))])
     hidden = args.hidden
