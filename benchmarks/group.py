@@ -33,7 +33,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from .env import describe
@@ -78,13 +80,15 @@ def speed(args, reference: list[list[int]] | None) -> dict:
     """`reference`: the lone prompts' ids from mlx-lm over a group of --probe-ranks, if measured."""
     from mlxrt import EngineOptions, Runtime
 
-    engine = EngineOptions(prompt_cache_bytes=0, decode_concurrency=max(args.batch, 1))
+    cache = None if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
+    engine = EngineOptions(prompt_cache_bytes=cache, decode_concurrency=max(args.batch, 1))
     runtimes = {}
     try:
         for n in args.ranks:
             log(f"loading {args.model} on {n} rank(s)")
             group = {} if n == 1 else {"ranks": n, "backend": args.backend, "sharding": args.sharding}
-            runtimes[n] = Runtime(model=args.model, engine=engine, **group)
+            with _one_gpu(n == 1):
+                runtimes[n] = Runtime(model=args.model, engine=engine, **group)
         vocab = next(iter(runtimes.values())).model_info().vocab_size
         rows: dict[int, list[dict]] = {n: [] for n in runtimes}
         for r in range(args.rounds + 1):  # round 0 warms up, unmeasured
@@ -109,6 +113,24 @@ def speed(args, reference: list[list[int]] | None) -> dict:
         if reference is not None and n == args.probe_ranks:
             out[n]["same_as_mlx_lm"] = sum(x["ids"][0] == ref for x, ref in zip(rs, reference, strict=True))
     return out
+
+
+@contextmanager
+def _one_gpu(on: bool) -> Iterator[None]:
+    """While a one-rank worker starts (`on`), CUDA_VISIBLE_DEVICES shows it one GPU, as each rank of
+    a group sees one: on two H200s a 7B worker that saw both failed its warm-up in MLX 0.32.4
+    ('cudaMemcpy ... invalid argument'; docs/benchmarks/gpu-h200-group.md). Restored after, so a
+    group's plan still hands out every GPU."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if on:
+        os.environ["CUDA_VISIBLE_DEVICES"] = (before or "0").split(",")[0]
+    try:
+        yield
+    finally:
+        if on and before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif on:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -286,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt-cache-bytes", type=int, default=0, help="the workers' prefix cache (default "
+                    "0: off, each round's prompt is fresh anyway; -1: the engine's own default)")
     ap.add_argument("--probe-ranks", type=int, default=2, help="0: skip the collectives part")
     ap.add_argument("--hidden", type=int, default=None, help="default: the model's hidden_size")
     ap.add_argument("--only", choices=["speed", "collectives"], default=None)
