@@ -32,14 +32,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import runner
 from .measure import spread
 
 PROBE_ITERATIONS = 200
+PROBE_TIMEOUT_S = 600
 METRICS = ("prefill_tps", "ttft_ms", "decode_tps", "batch_tps")
 
 
@@ -77,13 +81,15 @@ def speed(args, reference: list[list[int]] | None) -> dict:
     """`reference`: the lone prompts' ids from mlx-lm over a group of --probe-ranks, if measured."""
     from mlxrt import EngineOptions, Runtime
 
-    engine = EngineOptions(prompt_cache_bytes=0, decode_concurrency=max(args.batch, 1))
+    cache = None if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
+    engine = EngineOptions(prompt_cache_bytes=cache, decode_concurrency=max(args.batch, 1))
     runtimes = {}
     try:
         for n in args.ranks:
             log(f"loading {args.model} on {n} rank(s)")
             group = {} if n == 1 else {"ranks": n, "backend": args.backend, "sharding": args.sharding}
-            runtimes[n] = Runtime(model=args.model, engine=engine, **group)
+            with _one_gpu(n == 1):
+                runtimes[n] = Runtime(model=args.model, engine=engine, **group)
         vocab = next(iter(runtimes.values())).model_info().vocab_size
         rows: dict[int, list[dict]] = {n: [] for n in runtimes}
         for r in range(args.rounds + 1):  # round 0 warms up, unmeasured
@@ -110,6 +116,24 @@ def speed(args, reference: list[list[int]] | None) -> dict:
     return out
 
 
+@contextmanager
+def _one_gpu(on: bool) -> Iterator[None]:
+    """While a one-rank worker starts (`on`), CUDA_VISIBLE_DEVICES shows it one GPU, as each rank of
+    a group sees one: on two H200s a 7B worker that saw both failed its warm-up in MLX 0.32.4
+    ('cudaMemcpy ... invalid argument'; docs/benchmarks/gpu-h200-group.md). Restored after, so a
+    group's plan still hands out every GPU."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if on:
+        os.environ["CUDA_VISIBLE_DEVICES"] = (before or "0").split(",")[0]
+    try:
+        yield
+    finally:
+        if on and before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        elif on:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -133,10 +157,32 @@ def probe(args) -> dict:
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                       cwd=Path(__file__).resolve().parent.parent))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"probe ranks exited with {[p.returncode for p in procs]}")
-    return json.loads(outs[0].strip().splitlines()[-1])
+    return json.loads(_wait_all(procs, PROBE_TIMEOUT_S).strip().splitlines()[-1])
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str:
+    """Rank 0's stdout once every probe rank exited 0; at the first that fails (or past `timeout_s`),
+    the others are killed (a rank left inside a collective would wait for the lost one) and
+    `RuntimeError` gives each rank's exit code. Each rank's stderr is this process's."""
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(procs[0].stdout.read()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = any(p.poll() for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            codes = [p.wait() for p in procs]
+            why = "a rank failed" if failed else f"they ran past {timeout_s:g} s (PROBE_TIMEOUT_S)"
+            raise RuntimeError(f"probe ranks exited with {codes}: {why}; their stderr is above")
+        time.sleep(0.2)
+    reader.join(10)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"probe ranks exited with {codes}; their stderr is above")
+    return out[0] if out else ""
 
 
 def mlx_lm_ids(group, args) -> tuple[list[list[int]], list[float]]:
@@ -171,17 +217,19 @@ def _builtins(obj):
 def probe_rank(spec_json: str, args) -> None:
     """One probe rank: join as a worker's rank does, time the collectives, then generate each round's
     lone prompt with mlx-lm's own `generate_step` over `sharded_load`: the reference for a group."""
-    import mlx.core as mx
     import msgspec
     import structlog
-    from mlx_lm.generate import generation_stream
     from mlxrt import logs
     from mlxrt.ipc.protocol import Generate, GroupRank, SamplingParams, Step
     from mlxrt.worker.group import Lockstep, join
 
     logs.configure(level="warning")  # stderr: stdout carries the result
     spec = msgspec.convert(json.loads(spec_json), GroupRank)
+    # MLX only after join: it sets what CUDA reads once (CUDA_VISIBLE_DEVICES) and picks the device.
     group = join(spec, None, structlog.get_logger("probe"))  # type: ignore[arg-type]
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
     lead = group.rank == 0
     new = Step(generate=[Generate(id=1, params=SamplingParams(max_tokens=256), prompt_ids=list(range(512)))])
     hidden = args.hidden
@@ -261,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt-cache-bytes", type=int, default=0, help="the workers' prefix cache (default "
+                    "0: off, each round's prompt is fresh anyway; -1: the engine's own default)")
     ap.add_argument("--probe-ranks", type=int, default=2, help="0: skip the collectives part")
     ap.add_argument("--hidden", type=int, default=None, help="default: the model's hidden_size")
     ap.add_argument("--only", choices=["speed", "collectives"], default=None)

@@ -13,7 +13,6 @@ import openai
 import pytest
 from support import SCRIPT, SCRIPTED, SHM_GLOB, child_pids, created_here, running, still_alive
 
-
 # `mlxrt serve` keeps a disk tier in the user's cache by default: a server a test starts keeps none (it
 # would carry prefixes from one test, or one run, to the next) unless the test gives one itself.
 os.environ.setdefault("MLXRT_PROMPT_CACHE_DISK_BYTES", "0")

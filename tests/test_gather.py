@@ -3,7 +3,9 @@
 The Server runs as in the worker process (its serve loop on its own thread, frames out through an
 Outbox over a pipe), with a real Engine on the tiny model; requests come in through `on_message`, as
 the reader thread hands them over. A spy on the engine records the step at which each request was
-submitted: requests submitted before the same step were admitted, and prefilled, together.
+submitted: requests submitted before the same step were admitted, and prefilled, together. Each
+test runs on a single worker's Server and on a group's rank 0 (`LeaderServer`, its steps shared
+through the lockstep, here over MLX's group of one process).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import threading
 import time
 
 import pytest
+import structlog
 from mlxrt.ipc.channel import ChannelClosed
 from mlxrt.ipc.protocol import (
     Cancel,
     Done,
     EngineOptions,
     Generate,
+    GroupRank,
     Ping,
     Pong,
     SamplingParams,
@@ -27,6 +31,7 @@ from mlxrt.ipc.protocol import (
 )
 from mlxrt.ipc.stdio import PipeReceiver, PipeSender
 from mlxrt.worker.engine import Engine
+from mlxrt.worker.group import LeaderServer, RankGroup, Watchdog
 from mlxrt.worker.serve import Gather, Outbox, Server
 
 LONG_MS = 1000  # the longest window: a request held back would show as a wait this long
@@ -39,7 +44,7 @@ def gen(i: int, prompt: str = "the river runs past the mill and") -> Generate:
 class Served:
     """A Server on its own thread; the frames it sends, and the step each request was submitted at."""
 
-    def __init__(self, model: str, gather_ms: int) -> None:
+    def __init__(self, model: str, gather_ms: int, leader: bool) -> None:
         self.engine = engine = Engine(model, options=EngineOptions(gather_ms=gather_ms))
         self.steps = 0
         self.submitted: dict[int, int] = {}
@@ -56,7 +61,8 @@ class Served:
         engine.step, engine.submit = counted_step, spied_submit
         r, self._w = os.pipe()
         self.outbox = Outbox(PipeSender(self._w))
-        self.server = Server(engine, self.outbox)
+        self.server = Server(engine, self.outbox) if not leader else LeaderServer(engine, self.outbox,
+                                                                                   group_of_one())
         self.frames: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, args=(PipeReceiver(r),), daemon=True).start()
         self._loop = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -91,12 +97,23 @@ class Served:
         os.close(self._w)
 
 
-@pytest.fixture
-def served(tiny_model):
+def group_of_one() -> RankGroup:
+    """Rank 0 of a group of one process: its lockstep's collectives return what they are given."""
+    import mlx.core as mx
+
+    def expire(what: str, limit_s: float) -> None:
+        raise AssertionError(f"the watchdog fired: {what} past {limit_s} s")
+
+    return RankGroup(GroupRank(rank=0, size=1), mx.distributed.init(), "ring", structlog.get_logger("test"),
+                 Watchdog(60.0, expire))
+
+
+@pytest.fixture(params=["worker", "group rank 0"])
+def served(request, tiny_model):
     made: list[Served] = []
 
     def make(gather_ms: int) -> Served:
-        made.append(Served(tiny_model, gather_ms))
+        made.append(Served(tiny_model, gather_ms, leader=request.param != "worker"))
         return made[-1]
 
     yield make

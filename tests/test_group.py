@@ -18,6 +18,7 @@ from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.orchestrator.launch import GroupPlan, HostEntry
 from mlxrt.orchestrator.runtime import build_request
 from mlxrt.worker.engine import Engine
+from mlxrt.worker.group import GroupError, plan_sharding
 from support import assert_stopped, run_batch, run_with_deadline
 
 REQUESTS = [
@@ -209,6 +210,15 @@ def test_a_model_that_cannot_be_sharded_so_is_a_clear_error():
                                           transport="stdio", supervision=Supervision(restart=False)), 120)
 
 
+def test_nccl_shards_by_tensor_and_refuses_the_pipeline_with_why(tiny_model):
+    """MLX's NCCL backend has no send/recv, which mlx-lm's pipeline uses: over NCCL "auto" is tensor
+    parallel and "pipeline" fails naming the reason; other backends keep their choice."""
+    assert plan_sharding(tiny_model, "auto", 2, "nccl") == "tensor"
+    assert plan_sharding(tiny_model, "pipeline", 2, "ring") == "pipeline"
+    with pytest.raises(GroupError, match="pipeline parallelism over NCCL.*send/recv.*sharding='tensor'"):
+        plan_sharding(tiny_model, "pipeline", 2, "nccl")
+
+
 def test_options_sharded_load_cannot_honour_are_a_clear_error(tiny_model):
     """A template override (or an adapter, or a draft) is not applied by sharded_load: the group
     refuses it at load, naming the option, rather than serving without it."""
@@ -218,8 +228,9 @@ def test_options_sharded_load_cannot_honour_are_a_clear_error(tiny_model):
                                           transport="stdio", supervision=Supervision(restart=False)), 120)
 
 
-def test_the_plan_gives_each_rank_what_mlx_launch_would():
-    """Ring: MLX_RANK and one MLX_HOSTFILE of ip:port lists; nccl: rank 0's address, a port, a GPU each."""
+def test_the_plan_gives_each_rank_what_mlx_launch_would(monkeypatch):
+    """Ring: MLX_RANK and one MLX_HOSTFILE of ip:port lists; nccl: rank 0's address, a port, a GPU each,
+    and this process's NCCL_* settings."""
     ring = Group(ranks=2, backend="ring", port=40100).plan()
     assert isinstance(ring, GroupPlan)
     launches = ring.launch()
@@ -227,8 +238,11 @@ def test_the_plan_gives_each_rank_what_mlx_launch_would():
     assert {x.files["MLX_HOSTFILE"] for x in launches} == {'[["127.0.0.1:40100"], ["127.0.0.1:40101"]]'}
     nccl = GroupPlan(size=2, backend="nccl", sharding="auto", hosts=[HostEntry(**LOCAL)] * 2, envs={},
                      port=40200, python="python")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # a host's NCCL setting reaches every rank, here or not
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     envs = [x.env for x in nccl.launch()]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1"]
+    assert [e["NCCL_NVLS_ENABLE"] for e in envs] == ["0", "0"]
     coordinator = {(e["NCCL_HOST_IP"], e["NCCL_PORT"], e["MLX_WORLD_SIZE"]) for e in envs}
     assert coordinator == {("127.0.0.1", "40200", "2")}
     remote = GroupPlan(size=2, backend="ring", sharding="auto",

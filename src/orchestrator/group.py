@@ -246,7 +246,10 @@ class GroupHandle(WorkerHandle):
 
     def _death_story(self, code: int | None) -> str:
         t = self._timeouts.collective_s
-        parts = [f"rank 0 (pid {self.pid}) {_exit_text(code, t)}"]
+        mine = _exit_text(code, t)
+        if code is not None and code > 0 and code not in (EXIT_COLLECTIVE_TIMEOUT, EXIT_GROUP_FAILED):
+            mine += f": {self._last_stderr(4)}"  # its own words (NCCL's reason, a crash)
+        parts = [f"rank 0 (pid {self.pid}) {mine}"]
         for r in self._ranks:
             c = r.proc.poll()
             parts.append(f"rank {r.rank} (pid {r.pid} on {r.host}) "

@@ -9,7 +9,8 @@ would have given it:
 backend   per rank
 ========  ==========================================================================
 ring      MLX_RANK; MLX_HOSTFILE: a file holding ``[["ip:port", ...], ...]``, one list per rank
-nccl      MLX_RANK, MLX_WORLD_SIZE, NCCL_HOST_IP (rank 0's ip), NCCL_PORT, CUDA_VISIBLE_DEVICES
+nccl      MLX_RANK, MLX_WORLD_SIZE, NCCL_HOST_IP (rank 0's ip), NCCL_PORT, CUDA_VISIBLE_DEVICES (one
+          GPU each), and this process's other NCCL_* variables
 jaccl     MLX_RANK, MLX_JACCL_COORDINATOR (rank 0's ip:port); MLX_IBV_DEVICES: a file of rdma names
           (jaccl-ring: and MLX_JACCL_RING=1; RDMA devices needed to the neighbours only)
 auto      ring's and nccl's: the rank picks as `mlx.launch` does (nccl where CUDA is, else ring)
@@ -156,7 +157,10 @@ class GroupPlan:
         if self.backend in ("nccl", "auto"):
             host_ip, port = self.hosts[0].ips[0], next(ports)
             devices = _visible_devices(self.hosts)
+            # This process's NCCL settings (NCCL_NVLS_ENABLE=0, say) reach ranks on other hosts too.
+            ours = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
             for r, e in enumerate(env):
+                env[r] = e = {**ours, **e}
                 e.update(NCCL_HOST_IP=host_ip, NCCL_PORT=str(port), MLX_WORLD_SIZE=str(self.size),
                          CUDA_VISIBLE_DEVICES=devices[r])
         if self.backend in ("jaccl", "jaccl-ring"):

@@ -54,7 +54,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,8 @@ from .serve import Server
 HEAD_BYTES = 4096
 #: A rank whose orchestrator is gone waits this long for rank 0's stop before it exits alone.
 EOF_GRACE_S = 5.0
+#: MLX's NCCL backend (0.32.4) has all_sum, all_gather and reduce-scatter, but no send/recv.
+NCCL_HAS_SEND_RECV = False
 _EMPTY = Step()
 
 
@@ -136,10 +139,11 @@ class RankGroup:
         """Load this rank's shard with mlx-lm's `sharded_load`: (model, tokenizer, config)."""
         from mlx_lm.utils import sharded_load
 
-        mode = plan_sharding(path, self.spec.sharding, self.size)
+        mode = plan_sharding(path, self.spec.sharding, self.size, self.backend)
         world = self.world
-        return sharded_load(path, pipeline_group=world if mode == "pipeline" else None,
-                            tensor_group=world if mode == "tensor" else None, return_config=True)
+        with _collectives_off_cpu(self.backend == "nccl"):
+            return sharded_load(path, pipeline_group=world if mode == "pipeline" else None,
+                                tensor_group=world if mode == "tensor" else None, return_config=True)
 
     def total(self, n: int) -> int:
         """The sum of `n` over the ranks (every rank calls this at the same point)."""
@@ -295,7 +299,8 @@ class _Expiry:
 
 class LeaderServer(Server):
     """Rank 0's `Server`: each engine step's work goes to every rank (`Lockstep`), and every rank,
-    this one included, applies it at the next iteration."""
+    this one included, applies it at the next iteration. Follow-ups of a wave of replies are
+    held back and admitted together (`Gather`), as a single worker's are."""
 
     def __init__(self, engine, outbox, group: RankGroup) -> None:
         super().__init__(engine, outbox)
@@ -316,13 +321,21 @@ class LeaderServer(Server):
         last_work = False  # that step had work: apply it at once, without waiting for more
         while True:
             with self._cond:
-                if not (self._inbox or self._cancels or self._stopping or self._clear_cache or engine.busy
-                        or last_work):
-                    self._cond.wait(heartbeat)  # then an empty step: the others know rank 0 lives
-                inbox, self._inbox = self._inbox, deque()
+                held = self._held(time.perf_counter())
+                if not ((self._inbox and not held) or self._cancels or self._stopping or self._clear_cache
+                        or engine.busy or last_work):
+                    # Then an empty step, so the others know rank 0 lives; a hold ends by its deadline.
+                    self._cond.wait(min(held, heartbeat) if held else heartbeat)
+                    held = self._held(time.perf_counter())
+                stopping = self._stopping
+                inbox = deque()
+                if not held or stopping:  # held requests stay queued while the running ones decode
+                    inbox, self._inbox = self._inbox, deque()
                 cancels, self._cancels = self._cancels, []
                 clear, self._clear_cache = self._clear_cache, False
-                stopping = self._stopping
+                dropped = self._drop_held(cancels)
+            for req in dropped:  # cancelled while held back: it never reached any rank's engine
+                self.done(req.id, Stats(finish_reason="cancelled"), "")
             work = bool(inbox or cancels or clear or stopping)
             mine = Step(generate=[r for r, _ in inbox], cancel=cancels, clear_cache=clear, stop=stopping)
             dog.arm("an iteration of the group")
@@ -333,7 +346,9 @@ class LeaderServer(Server):
                 return
             apply_step(engine, step, self, arrived={r.id: t for r, t in last_inbox})
             last_inbox, last_work = list(inbox), work
+            self._ended = 0
             engine.step()
+            self._gather.ended(self._ended, time.perf_counter())
             dog.disarm()
 
 
@@ -387,18 +402,23 @@ def join(spec: GroupRank, tx: Sender, log) -> RankGroup:
     Called before anything imports MLX: MLX reads some of these variables when it starts.
     """
     log = log.bind(rank=spec.rank)
+    mlx_was_imported = "mlx.core" in sys.modules
     written = _apply_env(spec)
     try:
         import mlx.core as mx
 
         backend = resolve_backend(spec.backend)
+        if backend == "nccl":
+            _use_own_gpu(spec, mlx_was_imported)
         expiry = _Expiry(spec, log, tx)
         dog = Watchdog(spec.collective_timeout_s, expiry)
         dog.arm(f"connecting over {backend}", spec.connect_timeout_s)
         try:
             world = mx.distributed.init(strict=True, backend=backend)
         except RuntimeError as exc:
-            raise GroupError(f"rank {spec.rank} could not start MLX's {backend!r} backend: {exc}") from exc
+            raise GroupError(f"rank {spec.rank} could not start MLX's {backend!r} backend: {exc} "
+                             f"(connecting waits up to {spec.connect_timeout_s:g} s: set "
+                             "MLXRT_COLLECTIVE_TIMEOUT_S)") from exc
         if (world.rank(), world.size()) != (spec.rank, spec.size):
             raise GroupError(f"MLX's {backend!r} backend made this process rank {world.rank()} of "
                              f"{world.size()}; the orchestrator meant rank {spec.rank} of {spec.size}")
@@ -408,11 +428,58 @@ def join(spec: GroupRank, tx: Sender, log) -> RankGroup:
         share_seeds(group.agree_seed())
         dog.disarm()
         expiry.tx = None  # from now on the orchestrator learns of a timeout from the exit code
-        log.info("group.joined", size=world.size(), backend=backend)
+        log.info("group.joined", size=world.size(), backend=backend, device=str(mx.default_device()))
         return group
     finally:
         for path in written:
             Path(path).unlink(missing_ok=True)
+
+
+def _use_own_gpu(spec: GroupRank, mlx_was_imported: bool) -> None:
+    """Make MLX's default device the GPU that MLX's NCCL backend gives this rank (`rank % devices`,
+    of those CUDA_VISIBLE_DEVICES shows), before anything makes a stream on another one.
+
+    mlx-lm makes its generation stream on the default device when it is imported, and NCCL's
+    communicator must be on the device of the arrays it reduces: with them on two GPUs, the first
+    all_sum fails with 'unhandled cuda error'. `GroupError` if MLX was imported before this rank's
+    CUDA_VISIBLE_DEVICES was set: CUDA read the variable then, and both ranks may share one GPU.
+    """
+    import mlx.core as mx
+
+    if mlx_was_imported and "CUDA_VISIBLE_DEVICES" in spec.env:
+        raise GroupError(f"rank {spec.rank}: MLX was imported before this rank set CUDA_VISIBLE_DEVICES="
+                         f"{spec.env['CUDA_VISIBLE_DEVICES']}, so CUDA may not honour it; join the group "
+                         "before importing mlx or mlx_lm")
+    count = mx.device_count(mx.gpu)
+    if count < 1:
+        raise GroupError(f"rank {spec.rank}: backend 'nccl' needs a CUDA GPU, and MLX sees none "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")
+    mx.set_default_device(mx.Device(mx.gpu, spec.rank % count))
+
+
+@contextmanager
+def _collectives_off_cpu(on: bool) -> Iterator[None]:
+    """While inside (and `on`), a collective asked for on the CPU stream runs on the default stream
+    instead: mlx-lm's `sharded_load` ends with a barrier on `mx.cpu`, which MLX's NCCL backend
+    cannot run (NCCL works on GPU streams; MLX fails with 'There is no Stream(gpu, N) in current
+    thread', from the CPU stream's thread)."""
+    import mlx.core as mx
+
+    if not on:
+        yield
+        return
+    original = mx.distributed.all_sum
+
+    def all_sum(x, *args, stream=None, **kwargs):
+        cpu = (isinstance(stream, mx.DeviceType) and stream == mx.cpu) or (
+            isinstance(stream, mx.Device) and stream.type == mx.cpu)
+        return original(x, *args, stream=None if cpu else stream, **kwargs)
+
+    mx.distributed.all_sum = all_sum
+    try:
+        yield
+    finally:
+        mx.distributed.all_sum = original
 
 
 def resolve_backend(backend: str) -> str:
@@ -434,8 +501,17 @@ def resolve_backend(backend: str) -> str:
 
 def _apply_env(spec: GroupRank) -> list[str]:
     """Set `spec.env`, and write each of `spec.files` to a temporary file its variable names;
-    return the files' paths (MLX reads them while it starts its backend)."""
+    return the files' paths (MLX reads them while it starts its backend).
+
+    Where NCCL may run, and unless set already: NCCL_DEBUG=WARN, so that a failed NCCL call leaves
+    NCCL's own reason on stderr (MLX reports only its code, e.g. 'unhandled cuda error'), and
+    MLX_NCCL_TIMEOUT (ms) just under the connect timeout, so that a rank k > 0 that cannot reach
+    rank 0 fails with MLX's reason before the watchdog ends it without one.
+    """
     os.environ.update(spec.env)
+    if spec.backend in ("nccl", "auto"):
+        os.environ.setdefault("NCCL_DEBUG", "WARN")
+        os.environ.setdefault("MLX_NCCL_TIMEOUT", str(int(spec.connect_timeout_s * 900)))
     written = []
     for var, content in spec.files.items():
         fd, path = tempfile.mkstemp(prefix=f"mlxrt-{var.lower()}-", suffix=".json")
@@ -446,17 +522,19 @@ def _apply_env(spec: GroupRank) -> list[str]:
     return written
 
 
-def plan_sharding(path: str, sharding: str, size: int) -> str:
+def plan_sharding(path: str, sharding: str, size: int, backend: str = "ring") -> str:
     """"tensor" or "pipeline" for this model over `size` ranks; `GroupError` naming the reason when
     the model cannot be split that way.
 
     "auto" is `sharded_load`'s choice (tensor parallel where mlx-lm's model has `shard`, else
     pipeline), except that a model whose attention heads do not divide among the ranks goes
-    to the pipeline where it can.
+    to the pipeline where it can. Over NCCL it is tensor parallel: mlx-lm's pipeline passes
+    activations with send/recv, which MLX's NCCL backend does not have (`NCCL_HAS_SEND_RECV`).
     """
     import json
 
     from mlx_lm.utils import load_model
+
 
     config_file = Path(path) / "config.json"
     if not config_file.is_file():  # a hub id mlx-lm downloads: let sharded_load choose and check
@@ -473,7 +551,15 @@ def plan_sharding(path: str, sharding: str, size: int) -> str:
         if not (tensor_ok or pipeline_ok):
             raise GroupError(f"model {path} ({kind}) cannot be sharded: mlx-lm's {kind} has neither "
                              "tensor parallelism (`shard`) nor pipeline parallelism (`pipeline`)")
-        sharding = "tensor" if tensor_ok and not (uneven and pipeline_ok) else "pipeline"
+        piped = pipeline_ok and (backend != "nccl" or NCCL_HAS_SEND_RECV)
+        sharding = "tensor" if tensor_ok and not (uneven and piped) else "pipeline"
+    if sharding == "pipeline" and backend == "nccl" and not NCCL_HAS_SEND_RECV:
+        import mlx.core as mx
+
+        raise GroupError(f"model {path} cannot be sharded by pipeline parallelism over NCCL with MLX "
+                         f"{mx.__version__}: mlx-lm's pipeline passes activations with send/recv, which "
+                         "MLX's NCCL backend does not implement ('[nccl] Send not supported'); "
+                         + ("use sharding='tensor'" if tensor_ok and not uneven else "use backend='ring'"))
     if sharding == "tensor":
         if not tensor_ok:
             hint = "; try sharding='pipeline'" if pipeline_ok else ""
