@@ -571,14 +571,15 @@ def ensure_model(preset: str, seed: int = 0) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticRef:
-    """What follows ``synthetic:`` in a model reference: ``PRESET[:SEED][?noise=X&layers=N&vocab=V]``.
+    """What follows ``synthetic:`` in a model ref: ``PRESET[:SEED][?noise=X&layers=N&vocab=V&context=C]``.
 
     With `noise` or `layers` it names a *variant* of the preset (`variants.py`): its weights each
     multiplied by ``1 + noise * N(0, 1)``, its first `layers` layers kept; the tokenizer is the
     preset's, so a variant is a draft model for it whose acceptance `noise` and `layers` control.
     `vocab` makes the preset with another vocabulary size, and so another tokenizer: that of the
     family's presets of that size (``synthetic:qwen2.5-0.5b-4bit?vocab=152064`` drafts for
-    ``synthetic:qwen2.5-7b-4bit``).
+    ``synthetic:qwen2.5-7b-4bit``). `context` makes it with another context (max_position_embeddings,
+    in tokens) and the same weights: ``synthetic:tiny-qwen3?context=131072`` takes agent-sized prompts.
     """
 
     preset: str
@@ -586,6 +587,7 @@ class SyntheticRef:
     noise: float = 0.0
     layers: int | None = None
     vocab: int | None = None
+    context: int | None = None
 
     @property
     def is_variant(self) -> bool:
@@ -593,7 +595,7 @@ class SyntheticRef:
 
 
 def parse_synthetic(ref: str) -> SyntheticRef:
-    """Parse ``PRESET[:SEED][?noise=X&layers=N]``; `ValueError` naming what is wrong."""
+    """Parse ``PRESET[:SEED][?noise=X&layers=N&vocab=V&context=C]``; `ValueError` naming what is wrong."""
     head, _, query = ref.partition("?")
     preset, _, seed = head.partition(":")
     try:
@@ -606,21 +608,31 @@ def parse_synthetic(ref: str) -> SyntheticRef:
                 out = dataclasses.replace(out, layers=int(value))
             elif key == "vocab":
                 out = dataclasses.replace(out, vocab=int(value))
+            elif key == "context":
+                out = dataclasses.replace(out, context=int(value))
             else:
-                raise ValueError(f"unknown key {key!r} (noise, layers, vocab)")
+                raise ValueError(f"unknown key {key!r} (noise, layers, vocab, context)")
     except ValueError as exc:
         raise ValueError(f"invalid synthetic model 'synthetic:{ref}': {exc}") from None
     if (out.seed < 0 or not 0.0 <= out.noise <= 10.0 or (out.layers is not None and out.layers < 1)
-            or (out.vocab is not None and out.vocab < 256)):
+            or (out.vocab is not None and out.vocab < 256) or (out.context is not None and out.context < 16)):
         raise ValueError(f"invalid synthetic model 'synthetic:{ref}': seed >= 0, noise in [0, 10], "
-                         "layers >= 1, vocab >= 256")
+                         "layers >= 1, vocab >= 256, context >= 16")
     return out
 
 
 def synthetic_preset(ref: SyntheticRef) -> Preset:
-    """The preset `ref` is made from (its vocabulary replaced); KeyError for an unknown preset."""
-    spec = PRESETS[ref.preset]
-    return spec if ref.vocab is None else dataclasses.replace(spec, vocab_size=ref.vocab)
+    """The preset `ref` is made from (its vocabulary and context replaced); KeyError for an unknown preset."""
+    return _resized(PRESETS[ref.preset], vocab_size=ref.vocab, context=ref.context)
+
+
+def _resized(spec: Preset, *, vocab_size: int | None, context: int | None) -> Preset:
+    """`spec` with another vocabulary size and context (tokens) where given."""
+    if vocab_size is not None:
+        spec = dataclasses.replace(spec, vocab_size=vocab_size)
+    if context is not None:
+        spec = dataclasses.replace(spec, shape={**spec.shape, "max_position_embeddings": context})
+    return spec
 
 
 def ensure_synthetic(ref: SyntheticRef) -> Path:
@@ -632,7 +644,9 @@ def ensure_synthetic(ref: SyntheticRef) -> Path:
     out = default_model_dir(ref.preset, ref.seed)
     if ref.vocab is not None:
         out = out.with_name(f"{out.name}-v{ref.vocab}")
-    return make_model(ref.preset, out, seed=ref.seed, vocab_size=ref.vocab)
+    if ref.context is not None:
+        out = out.with_name(f"{out.name}-c{ref.context}")
+    return make_model(ref.preset, out, seed=ref.seed, vocab_size=ref.vocab, context=ref.context)
 
 
 def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
@@ -645,7 +659,7 @@ def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any
 
 
 def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force: bool = False,
-               vocab_size: int | None = None) -> Path:
+               vocab_size: int | None = None, context: int | None = None) -> Path:
     """Write a loadable mlx-lm model directory at `out` and return it.
 
     The same (preset, seed) writes the same bytes. If `out` already holds this
@@ -654,11 +668,10 @@ def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force
     with `force`. The directory is built beside `out` and renamed into place,
     so readers never see a half-written model. `vocab_size` replaces the
     preset's: presets of one family and one vocabulary size share a
-    tokenizer, so a small preset can be made a draft for a large one.
+    tokenizer, so a small preset can be made a draft for a large one. `context` replaces its
+    max_position_embeddings (tokens); the weights stay the same.
     """
-    spec = get_preset(preset)
-    if vocab_size is not None:
-        spec = dataclasses.replace(spec, vocab_size=vocab_size)
+    spec = _resized(get_preset(preset), vocab_size=vocab_size, context=context)
     out = Path(out).expanduser()
     marker = _marker(preset, spec, seed)
     found = _read_marker(out)
