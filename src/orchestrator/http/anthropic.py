@@ -37,6 +37,7 @@ from starlette.routing import Route
 from ..errors import MlxrtError
 from ..structured import check_tool_schema, json_schema_grammar
 from .anthropic_schemas import (
+    SERVER_BLOCKS,
     AnthropicMessage,
     ContentBlockDelta,
     ContentBlockStart,
@@ -63,6 +64,7 @@ from .anthropic_schemas import (
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
     Usage,
@@ -70,7 +72,7 @@ from .anthropic_schemas import (
 from .blocks import Block, BlockEvents, collect
 from .errors import HttpError, anthropic_error, from_runtime_error
 from .schemas import ENCODER
-from .service import Generation, Service, json_response, new_id
+from .service import Generation, Service, json_response, log_ignored, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: Anthropic's default temperature; mlxrt's own is greedy.
@@ -108,21 +110,41 @@ def system_text(system: str | list[TextBlock] | None) -> str:
 def chat_prompt(req: CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation as the runtime's chat messages (OpenAI's shape); 400 for a block this
     server cannot serve, a ``tool_result`` answering no earlier ``tool_use``, or a final
-    assistant turn (a prefill, which the chat templates cannot continue)."""
+    assistant turn (a prefill, which the chat templates cannot continue).
+
+    ``role: "system"`` turns (Claude Code sends one for a model name it does not know) that come
+    before every other turn join the ``system`` text, after it; a later one stays where it is, a
+    system turn in the conversation, as chat completions pass it: the template renders it there
+    (Qwen, Llama) or refuses it (a 400 with the template's message).
+    """
     out: list[dict[str, Any]] = []
-    system = system_text(req.system)
-    if system:
-        out.append({"role": "system", "content": system})
+    system = [system_text(req.system)] if req.system else []
+    lead = next((i for i, m in enumerate(req.messages) if m.role != "system"), len(req.messages))
+    system += [_system_text(i, m) for i, m in enumerate(req.messages[:lead])]
+    if any(system):
+        out.append({"role": "system", "content": "\n\n".join(t for t in system if t)})
     calls: set[str] = set()
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages[lead:], lead):
         if m.role == "assistant":
             out.append(_assistant(i, m, calls))
+        elif m.role == "system":
+            out.append({"role": "system", "content": _system_text(i, m)})
         else:
             out.extend(_user(i, m, calls))
     if req.messages[-1].role == "assistant":
         param = f"messages[{len(req.messages) - 1}]"
         raise _unsupported(param, "a final assistant turn to continue (prefill)")
     return out
+
+
+def _system_text(i: int, m: AnthropicMessage) -> str:
+    """A system turn's text: its text blocks; 400 naming any other block."""
+    if isinstance(m.content, str):
+        return m.content
+    for j, b in enumerate(m.content):
+        if not isinstance(b, TextBlock):
+            raise _block_refused(i, j, b, "a system turn")
+    return "\n".join(b.text for b in m.content)  # type: ignore[union-attr]
 
 
 def _assistant(i: int, m: AnthropicMessage, calls: set[str]) -> dict[str, Any]:
@@ -138,7 +160,7 @@ def _assistant(i: int, m: AnthropicMessage, calls: set[str]) -> dict[str, Any]:
             calls.add(b.id)
             fn = {"name": b.name, "arguments": b.input}
             tool_calls.append({"id": b.id, "type": "function", "function": fn})
-        elif not isinstance(b, RedactedThinkingBlock):  # redacted: nothing to show the template
+        elif not isinstance(b, (RedactedThinkingBlock, *SERVER_BLOCKS)):  # nothing to show the template
             raise _block_refused(i, j, b, "an assistant turn")
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if tool_calls:
@@ -164,7 +186,7 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
                 raise HttpError(400, f"{param}: no tool_use block with id {b.tool_use_id!r} in an earlier "
                                      f"assistant turn", param=param)
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(i, j, b)})
-        else:
+        elif not isinstance(b, SERVER_BLOCKS):  # a server tool's result: this server ran none
             raise _block_refused(i, j, b, "a user turn")
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
@@ -174,10 +196,15 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
 def _result_text(i: int, j: int, b: ToolResultBlock) -> str:
     if isinstance(b.content, str):
         return b.content
+    texts = []
     for k, part in enumerate(b.content):
-        if not isinstance(part, TextBlock):
+        if isinstance(part, TextBlock):
+            texts.append(part.text)
+        elif isinstance(part, ToolReferenceBlock):
+            texts.append(part.tool_name)
+        else:
             raise _block_refused(i, j, part, "a tool result", f".content[{k}]")
-    return "\n".join(p.text for p in b.content)  # type: ignore[union-attr]
+    return "\n".join(texts)
 
 
 def _block_refused(i: int, j: int, b: object, where: str, tail: str = "") -> HttpError:
@@ -206,12 +233,18 @@ def sampling_params(req: MessagesRequest, defaults: Mapping[str, Any] | None = N
     return params
 
 
-def chat_params(req: CountTokensRequest) -> dict[str, Any]:
+def chat_params(req: CountTokensRequest, dropped: list[str] | None = None) -> dict[str, Any]:
     """The runtime's chat keywords: tools (as OpenAI function tools), tool_choice and think; 400
-    naming the field (Anthropic's name for it) for a bad tool or tool choice."""
+    naming the field (Anthropic's name for it) for a bad tool or tool choice. Server tools
+    (``web_search_20250305``, ...) are left out, each named in `dropped`."""
     params: dict[str, Any] = {}
     names: list[str] = []
+    tools = []
     for i, tool in enumerate(req.tools or ()):
+        if tool.type not in (None, "custom"):  # Anthropic's servers run these; this one cannot
+            if dropped is not None:
+                dropped.append(f"tools[{i}] ({tool.type} {tool.name!r}: a server tool, not run here)")
+            continue
         if not tool.name.strip() or tool.name in names:
             why = "names a tool twice" if tool.name in names else "required, a non-empty string"
             raise HttpError(400, f"tools[{i}].name: {why}", param=f"tools[{i}].name")
@@ -220,8 +253,9 @@ def chat_params(req: CountTokensRequest) -> dict[str, Any]:
         except ValueError as exc:
             raise HttpError(400, str(exc), param=f"tools[{i}].input_schema") from None
         names.append(tool.name)
-    if req.tools:
-        params["tools"] = [_function(t) for t in req.tools]
+        tools.append(tool)
+    if tools:
+        params["tools"] = [_function(t) for t in tools]
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceNone):
         params["tool_choice"] = "none"
@@ -372,18 +406,23 @@ class AnthropicApi:
     def __init__(self, svc: Service) -> None:
         self.svc = svc
 
-    def _request(self, req: CountTokensRequest) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
-        """The served model, the chat messages and the chat keywords, checked."""
+    def _request(self, request: Request, req: CountTokensRequest, ignored: list[str]
+                 ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """The served model, the chat messages and the chat keywords, checked; what was ignored or
+        left out is logged, in one line."""
         model = self.svc.model(req.model)
         prompt = chat_prompt(req)
-        params = chat_params(req)
+        dropped: list[str] = []
+        params = chat_params(req, dropped)
+        log_ignored(request, ignored, dropped)
         self.svc.refuse_missing(model, params, think_param="thinking")
         return model, prompt, params
 
     async def messages(self, request: Request) -> Response | EventStream:
         t0 = time.perf_counter()
-        req: MessagesRequest = await self.svc.read(request, _messages_decoder)
-        model, prompt, chat = self._request(req)
+        ignored: list[str] = []
+        req: MessagesRequest = await self.svc.read(request, _messages_decoder, ignored=ignored)
+        model, prompt, chat = self._request(request, req, ignored)
         params = constrain(sampling_params(req, self.svc.sampling_defaults(model)), req)
         params.update(chat)
         gen = await self.svc.start(request, "/v1/messages", prompt, model, params, NAMES, t0)
@@ -403,8 +442,9 @@ class AnthropicApi:
     async def count_tokens(self, request: Request) -> Response:
         """The request's prompt tokens, counted by the model's worker (see the module's docstring)."""
         t0 = time.perf_counter()
-        req: CountTokensRequest = await self.svc.read(request, _count_decoder)
-        model, prompt, params = self._request(req)
+        ignored: list[str] = []
+        req: CountTokensRequest = await self.svc.read(request, _count_decoder, ignored=ignored)
+        model, prompt, params = self._request(request, req, ignored)
         params.update(max_tokens=1, temperature=0.0)
         gen = await self.svc.start(request, "/v1/messages/count_tokens", prompt, model, params, NAMES, t0)
         await gen.all_chunks(request.receive)

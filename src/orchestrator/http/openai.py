@@ -54,7 +54,7 @@ from .schemas import (
     TopLogprobOut,
     Usage,
 )
-from .service import UNLIMITED_TOKENS, Generation, Reply, Service, json_response, new_id
+from .service import DEFAULT_MAX_TOKENS, Generation, Reply, Service, json_response, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's documented defaults where they differ from mlxrt's.
@@ -235,7 +235,8 @@ class OpenAIApi:
         model = self.svc.model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         defaults = self.svc.sampling_defaults(model)
-        params = constrain(sampling_params(req, max_tokens, UNLIMITED_TOKENS, defaults), req.response_format)
+        params = sampling_params(req, max_tokens, DEFAULT_MAX_TOKENS, defaults)
+        params = constrain(params, req.response_format)
         names = {"max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens", **CHAT_NAMES}
         prompt = chat_prompt(req)

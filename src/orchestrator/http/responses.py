@@ -86,7 +86,7 @@ from .responses_schemas import (
     TextConfig,
 )
 from .schemas import ENCODER
-from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
+from .service import DEFAULT_MAX_TOKENS, Generation, Service, json_response, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's default temperature; mlxrt's own is greedy.
@@ -234,7 +234,7 @@ def sampling_params(req: ResponsesRequest, defaults: Mapping[str, Any] | None = 
     `--max-tokens`), else OpenAI's."""
     d = defaults or {}
     params: dict[str, Any] = {
-        "max_tokens": d.get("max_tokens", UNLIMITED_TOKENS) if req.max_output_tokens is None
+        "max_tokens": d.get("max_tokens", DEFAULT_MAX_TOKENS) if req.max_output_tokens is None
         else req.max_output_tokens,
         "temperature": d.get("temperature", DEFAULT_TEMPERATURE) if req.temperature is None
         else req.temperature,

@@ -40,6 +40,9 @@ T = TypeVar("T")
 
 #: "Until the context is full": the worker clamps max_tokens to context minus prompt.
 UNLIMITED_TOKENS = 1 << 30
+#: Most tokens generated for a request that sets no limit (and a model served without --max-tokens):
+#: mlx_lm.server's default. A client that sends none (Codex) must not run to the end of a long context.
+DEFAULT_MAX_TOKENS = 512
 JSON = "application/json"
 
 
@@ -318,9 +321,18 @@ class Service:
         name = requested if requested in served else self.aliases.get(requested)
         return name if name in served else None
 
-    async def read(self, request: Request, decoder: msgspec.json.Decoder, prefix: str = "") -> Any:
-        """Read the body (at most `max_body_bytes`, else 413) and decode it strictly (else 400)."""
-        return decode(await read_body(request, self.config.max_body_bytes), decoder, prefix)
+    async def read(self, request: Request, decoder: msgspec.json.Decoder, prefix: str = "",
+                   ignored: list[str] | None = None) -> Any:
+        """Read the body (at most `max_body_bytes`, else 413) and decode it (a bad value: 400).
+
+        Fields the schema does not declare are dropped and named in one log line; a caller that
+        finds more to ignore passes `ignored`, gets them appended, and logs them (`log_ignored`).
+        """
+        found: list[str] = [] if ignored is None else ignored
+        value = decode(await read_body(request, self.config.max_body_bytes), decoder, prefix, found)
+        if ignored is None:
+            log_ignored(request, found)
+        return value
 
     async def start(
         self,
@@ -351,6 +363,15 @@ async def _first(stream: AsyncStream) -> Chunk | None:
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
+
+
+def log_ignored(request: Request, fields: list[str], dropped: list[str] | None = None) -> None:
+    """One line naming the request fields the server ignored (and what it `dropped`, e.g. hosted tools
+    it cannot run: a warning), if any."""
+    if dropped:
+        log.warning("http.ignored", path=request.url.path, fields=fields, dropped=dropped)
+    elif fields:
+        log.info("http.ignored_fields", path=request.url.path, fields=fields)
 
 
 def path_aliases(model_refs: Mapping[str, str]) -> dict[str, str]:
