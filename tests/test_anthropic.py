@@ -292,8 +292,8 @@ BAD = [
     ({"max_tokens": 4, "messages": HI, "temperature": "hot", "temprature": 0.5}, "temperature"),
     ({"max_tokens": 4, "messages": HI, "tools": [{"name": "f", "description": "no schema"}]},
      "tools[0].input_schema"),
-    ({"max_tokens": 4, "messages": [{"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f",
-                                                                    "input": {}}]}, *HI]},
+    ({"max_tokens": 4, "messages": [
+        {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}, *HI]},
      "messages[0].content[0]"),
 ]
 
