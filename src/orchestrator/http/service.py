@@ -198,7 +198,7 @@ class Generation:
             self.finish("disconnected")
             raise
         except MlxrtError as exc:
-            self.finish("error")
+            self.finish("error", str(exc))
             raise from_runtime_error(exc) from exc
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -218,8 +218,9 @@ class Generation:
         """`EventStream`'s end: disconnected, failed (no stats), or finished as the worker said."""
         self.finish("disconnected" if gone else (self.finish_reason if self.stream.stats else "error"))
 
-    def finish(self, reason: str) -> None:
-        """Close the stream (a no-op once it ended) and record the outcome; idempotent."""
+    def finish(self, reason: str, error: str = "") -> None:
+        """Close the stream (a no-op once it ended) and record the outcome, with the `error` that ended
+        it if one did; idempotent."""
         if self._finished:
             return
         self._finished = True
@@ -241,10 +242,12 @@ class Generation:
         worker = {} if stats is None else {  # the worker's share of the TTFT: waiting, then prefill
             "worker_queue_ms": round(stats.queue_ms, 2),
             "worker_ttft_ms": round(stats.ttft_ms, 2),
-            "cached_tokens": stats.cached_tokens,
         }
+        if error:
+            worker["error"] = error
         log.info("http.generation", endpoint=self.endpoint, model=self.model, reason=reason,
-                 prompt_tokens=self.prompt_tokens, tokens=self.tokens,
+                 prompt_tokens=self.prompt_tokens, cached_tokens=stats.cached_tokens if stats else 0,
+                 tokens=self.tokens,
                  ttft_ms=round(self.ttft_s * 1e3, 2),
                  total_ms=round((time.perf_counter() - self.t0) * 1e3, 2), **worker)
 
