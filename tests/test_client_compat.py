@@ -249,12 +249,15 @@ def test_forced_custom_tool_input_matches_its_regex(http):
             "tools": [{"type": "custom", "name": "pick", "format": {"type": "grammar", "syntax": "regex",
                                                                      "definition": "(red|green|blue)"}}],
             "tool_choice": {"type": "custom", "name": "pick"}}
+    done = 0
     for _ in range(3):
         r = http.post("/v1/responses", json=body)
         assert r.status_code == 200, r.text
         if r.json()["status"] == "completed":
+            done += 1
             (item,) = r.json()["output"]
             assert item["type"] == "custom_tool_call" and item["input"] in ("red", "green", "blue")
+    assert done, "no forced call ended by itself"
 
 
 def test_no_output_limit_gets_the_default_not_the_context(http):
