@@ -11,6 +11,7 @@ themselves. The log lines come from a real ``mlxrt serve --log-level info``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -21,7 +22,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_http import _free_port, running
+from conftest import assert_stopped
+from test_http import ServerThread, _free_port
 from test_tools_http import SCRIPTED
 
 QWEN3 = "synthetic:tiny-qwen3?context=8192"  # room for the agents' tool lists
@@ -39,6 +41,11 @@ SCRIPT = [
 LARK = ('start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\n'
         'end_patch: "*** End Patch" LF?\nhunk: "*** Add File: " /(.+)/ LF ("+" /(.*)/ LF)*\n'
         '%import common.LF\n')
+# A ChatML template that, like several families' templates, takes a system turn only first.
+SYSTEM_FIRST = ("{%- for m in messages -%}{%- if m.role == 'system' and not loop.first -%}"
+                "{{ raise_exception('System messages must come first') }}{%- endif -%}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor -%}"
+                "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}")
 OBJ = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"],
        "additionalProperties": False}
 
@@ -46,13 +53,22 @@ OBJ = {"type": "object", "properties": {"path": {"type": "string"}}, "required":
 @pytest.fixture(scope="module")
 def srv():
     """One server: the tiny model (unscripted) and a scripted tiny Qwen3 with an 8k context."""
+    from mlxrt import ModelSpec
     from mlxrt.worker.synthetic import ensure_model
 
     old = os.environ.get("SCRIPTED_REPLIES")
     os.environ["SCRIPTED_REPLIES"] = json.dumps(SCRIPT)
+    tiny = str(ensure_model("tiny"))
+    models = {"tiny": tiny, "qwen3": QWEN3, "system-first": ModelSpec(tiny, chat_template=SYSTEM_FIRST)}
+    s = ServerThread(models, _worker_argv=SCRIPTED)
+    refs = {name: m if isinstance(m, str) else m.path for name, m in models.items()}
+    s.serve = functools.partial(ServerThread.serve, s, model_refs=refs)  # /api/show reads the paths
     try:
-        with running({"tiny": str(ensure_model("tiny")), "qwen3": QWEN3}, _worker_argv=SCRIPTED) as s:
-            yield s
+        s.url = s.start()
+        pids = s.pids
+        yield s
+        s.stop()
+        assert_stopped(pids)
     finally:
         if old is None:
             del os.environ["SCRIPTED_REPLIES"]
@@ -147,6 +163,20 @@ def test_leading_system_turns_join_the_system_prompt(http):
         {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},
         {"role": "user", "content": "Say hi"}]})
     assert joined == turns
+
+
+def test_a_late_system_turn_the_template_refuses_is_a_400_naming_it(http):
+    """A system turn after the conversation began stays in place; a template that takes system turns
+    only first refuses it: a 400 in Anthropic's shape naming that turn's role. Leading ones are joined."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be kind."},
+             {"role": "user", "content": "Say hi"}]
+    r = http.post("/v1/messages", json={"model": "system-first", "max_tokens": 2, "messages": turns})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"].startswith("messages[1].role: ")
+    assert "System messages must come first" in err["message"]
+    r = http.post("/v1/messages", json={"model": "system-first", "max_tokens": 2, "messages": turns[1:]})
+    assert r.status_code == 200, r.text
 
 
 # ---- Codex ---------------------------------------------------------------------------------

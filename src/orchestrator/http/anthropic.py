@@ -137,6 +137,18 @@ def chat_prompt(req: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
+def late_system_turn(req: CountTokensRequest) -> int | None:
+    """The index of the first ``system`` turn that comes after another turn, if any (`chat_prompt`
+    leaves it in place)."""
+    began = False
+    for i, m in enumerate(req.messages):
+        if m.role != "system":
+            began = True
+        elif began:
+            return i
+    return None
+
+
 def _system_text(i: int, m: AnthropicMessage) -> str:
     """A system turn's text: its text blocks; 400 naming any other block."""
     if isinstance(m.content, str):
@@ -418,6 +430,21 @@ class AnthropicApi:
         self.svc.refuse_missing(model, params, think_param="thinking")
         return model, prompt, params
 
+    async def _start(self, request: Request, endpoint: str, req: CountTokensRequest,
+                     prompt: list[dict[str, Any]], model: str, params: dict[str, Any], t0: float
+                     ) -> Generation:
+        """`Service.start`; a template that refuses a system turn left in the conversation is a 400
+        naming that turn's role."""
+        try:
+            return await self.svc.start(request, endpoint, prompt, model, params, NAMES, t0)
+        except HttpError as exc:
+            late = late_system_turn(req)
+            if late is None or exc.status != 400 or not exc.message.startswith("Template"):
+                raise
+            param = f"messages[{late}].role"
+            raise HttpError(400, f"{param}: the model's chat template cannot take a system turn after the "
+                                 f"conversation began ({exc.message})", param=param) from exc
+
     async def messages(self, request: Request) -> Response | EventStream:
         t0 = time.perf_counter()
         ignored: list[str] = []
@@ -425,7 +452,7 @@ class AnthropicApi:
         model, prompt, chat = self._request(request, req, ignored)
         params = constrain(sampling_params(req, self.svc.sampling_defaults(model)), req)
         params.update(chat)
-        gen = await self.svc.start(request, "/v1/messages", prompt, model, params, NAMES, t0)
+        gen = await self._start(request, "/v1/messages", req, prompt, model, params, t0)
         message = Message(id=new_id("msg", "_"), model=req.model, content=[], usage=Usage(input_tokens=0,
                                                                                       output_tokens=0))
         thinking = shows_thinking(req)
@@ -446,7 +473,7 @@ class AnthropicApi:
         req: CountTokensRequest = await self.svc.read(request, _count_decoder, ignored=ignored)
         model, prompt, params = self._request(request, req, ignored)
         params.update(max_tokens=1, temperature=0.0)
-        gen = await self.svc.start(request, "/v1/messages/count_tokens", prompt, model, params, NAMES, t0)
+        gen = await self._start(request, "/v1/messages/count_tokens", req, prompt, model, params, t0)
         await gen.all_chunks(request.receive)
         return json_response(CountTokens(gen.prompt_tokens))
 
