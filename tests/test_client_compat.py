@@ -11,6 +11,7 @@ themselves. The log lines come from a real ``mlxrt serve --log-level info``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -309,16 +310,15 @@ def test_no_output_limit_gets_the_default_not_the_context(http):
 # ---- the log of a real `mlxrt serve` -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory):
-    """`mlxrt serve --log-level info` on the tiny model; its URL and a function returning the JSON log
-    lines written so far."""
+@contextlib.contextmanager
+def serve_logged(model: str, log_path, env: dict[str, str] | None = None):
+    """`mlxrt serve --log-level info` on `model` (named tiny); its URL and a function returning the
+    JSON log lines written so far."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "stderr.log"
     with open(log_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "--log-level", "info", "serve", "--model",
-                                 f"tiny={tiny_model}", "--port", str(port), "--transport", "stdio"],
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                 f"tiny={model}", "--port", str(port), "--transport", "stdio"],
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
 
     def lines() -> list[dict]:
@@ -338,6 +338,12 @@ def served(tiny_model, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    with serve_logged(tiny_model, tmp_path_factory.mktemp("serve") / "stderr.log") as s:
+        yield s
 
 
 def new_lines(lines, before: int, event: str) -> list[dict]:
@@ -424,3 +430,17 @@ def test_the_request_line_carries_what_a_user_needs(served):
     (gen,) = new_lines(lines, before, "http.generation")
     assert gen["reason"] == "length" and gen["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert {"cached_tokens", "ttft_ms", "tokens"} <= set(gen)
+
+
+def test_a_5xx_logs_an_error_with_its_traceback(tiny_model, tmp_path):
+    """A request that times out waiting for its tokens (a 504): one error line with the message the
+    client got and the traceback of the runtime's timeout."""
+    env = {"MLXRT_TOKEN_TIMEOUT_S": "0.000001"}
+    with serve_logged(tiny_model, tmp_path / "stderr.log", env) as (url, lines):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 8},
+                       timeout=60)
+        assert r.status_code == 504, r.text
+        time.sleep(0.2)
+        (line,) = new_lines(lines, 0, "http.error")
+    assert (line["level"], line["status"], line["error"]) == ("error", 504, r.json()["error"]["message"])
+    assert "Traceback" in line["exception"] and "MLXRT_TOKEN_TIMEOUT_S" in line["exception"]
