@@ -143,15 +143,25 @@ def _decode_lenient(body: bytes, type_: Any, prefix: str, ignored: list[str]) ->
 def convert(raw: Any, type_: Any, path: str, ignored: list[str]) -> Any:
     """`raw` (plain JSON values) as `type_`, fields it does not declare dropped and their paths, under
     `path`, appended to `ignored`; `HttpError` 400 naming a declared field with a bad value."""
+    try:
+        return msgspec.convert(raw, type_)  # the usual case: nothing unknown, one strict pass
+    except msgspec.ValidationError as exc:
+        if _UNKNOWN_FIELD not in str(exc):
+            raise _at(exc, path) from None
     strip_unknown(raw, _info(type_), path, ignored)
     try:
         return msgspec.convert(raw, type_)
-    except msgspec.ValidationError as exc:  # msgspec's path starts at `raw`: make it the body's
-        if path:
-            text = str(exc)
-            text = text.replace("`$", f"`$.{path}") if "`$" in text else f"{text} - at `$.{path}`"
-            exc = msgspec.ValidationError(text)
-        raise from_decode_error(exc) from None
+    except msgspec.ValidationError as exc:
+        raise _at(exc, path) from None
+
+
+def _at(exc: msgspec.ValidationError, path: str) -> HttpError:
+    """msgspec's error as a 400, its path (which starts at the value converted) made the body's."""
+    if path:
+        text = str(exc)
+        text = text.replace("`$", f"`$.{path}") if "`$" in text else f"{text} - at `$.{path}`"
+        exc = msgspec.ValidationError(text)
+    return from_decode_error(exc)
 
 
 @functools.lru_cache(maxsize=64)
