@@ -291,6 +291,22 @@ def test_forced_custom_tool_input_matches_its_regex(http):
     assert done, "no forced call ended by itself"
 
 
+def test_forced_namespaced_call_comes_back_with_its_namespace(http):
+    """A tool choice naming a namespaced function (by name and namespace): the model, unscripted, must
+    call it, and the call comes back as that name with its namespace, its arguments valid."""
+    tool = {"type": "function", "name": "list", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}}
+    body = {"model": "tiny", "input": "Count", "max_output_tokens": 64,
+            "tools": [{"type": "namespace", "name": "mcp__fs", "tools": [tool]}],
+            "tool_choice": {"type": "function", "name": "list", "namespace": "mcp__fs"}}
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tool_choice"] == body["tool_choice"]
+    (call,) = [i for i in r.json()["output"] if i["type"] == "function_call"]
+    assert (call["name"], call["namespace"]) == ("list", "mcp__fs")
+    assert json.loads(call["arguments"]) in ({"n": 1}, {"n": 2})
+
+
 def test_no_output_limit_gets_the_default_not_the_context(http):
     """A request that sets no limit, on a model with an 8k context, stops at the 512-token default
     (mlx_lm.server's --max-tokens) and says it was cut: incomplete, max_output_tokens."""

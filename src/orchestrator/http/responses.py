@@ -91,7 +91,7 @@ from .responses_schemas import (
     ResponseUsage,
     TextConfig,
 )
-from .responses_tools import ToolSet, chat_call, custom_arguments, custom_input
+from .responses_tools import ToolSet, chat_call, custom_arguments, custom_input, flat_name
 from .schemas import ENCODER
 from .service import DEFAULT_MAX_TOKENS, Generation, Service, json_response, log_ignored, new_id
 from .streaming import SSE_HEADERS, EventStream
@@ -279,10 +279,11 @@ def chat_params(req: ResponsesRequest, tools: ToolSet | None = None) -> dict[str
         elif choice == "required":
             raise HttpError(400, "tool_choice: 'required' needs tools", param="tool_choice")
     elif choice is not None:
-        if choice.name not in names:
-            raise HttpError(400, f"tool_choice.name: {choice.name!r} is not among the tools {names}",
+        name = flat_name(choice.namespace, choice.name)
+        if name not in names:
+            raise HttpError(400, f"tool_choice.name: {name!r} is not among the tools {names}",
                             param="tool_choice.name")
-        params["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        params["tool_choice"] = {"type": "function", "function": {"name": name}}
     effort = req.reasoning.effort if req.reasoning else None
     if effort is not None:
         params["think"] = EFFORTS[effort]

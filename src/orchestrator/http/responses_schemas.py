@@ -197,9 +197,10 @@ class NamespaceTool(Strict, kw_only=True):
     tools: list[dict[str, Any]]
 
 
-class ToolChoiceFunction(Strict, kw_only=True):
+class ToolChoiceFunction(Strict, kw_only=True, omit_defaults=True):
     type: Literal["function", "custom"]
     name: str
+    namespace: str | None = None  #: a namespaced tool's (or name it ``namespace__name``)
 
 
 class ResponsesRequest(Strict, kw_only=True):
