@@ -200,7 +200,8 @@ SAMPLING_FLAGS = {
     "top_p": ("--top-p", float, "default nucleus sampling top-p"),
     "top_k": ("--top-k", int, "default top-k (0 disables)"),
     "min_p": ("--min-p", float, "default min-p"),
-    "max_tokens": ("--max-tokens", int, "default most tokens to generate (default: each API's own)"),
+    "max_tokens": ("--max-tokens", int, "default most tokens to generate (default: 512 as mlx_lm.server's; "
+                   "completions: 16, as OpenAI's)"),
 }
 
 

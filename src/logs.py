@@ -22,7 +22,9 @@ class StderrLogger:
 
     def msg(self, message: str) -> None:
         try:
-            print(message, file=sys.stderr, flush=True)
+            stream = sys.stderr
+            stream.write(message + "\n")  # one write: print's two let another thread's line in between
+            stream.flush()
         except (OSError, ValueError):  # closed or replaced stream: drop the line
             pass
 

@@ -284,7 +284,12 @@ BAD = [
         {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]}, "messages[0].content[0]"),
     ({"max_tokens": 4, "messages": [*HI, {"role": "assistant", "content": "Sure"}]}, "messages[1]"),
     ({"max_tokens": 4, "messages": HI, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-    ({"max_tokens": 4, "messages": HI, "temprature": 0.5}, "temprature"),
+    ({"max_tokens": 4, "messages": HI, "temperature": "hot", "temprature": 0.5}, "temperature"),
+    ({"max_tokens": 4, "messages": HI, "tools": [{"name": "f", "description": "no schema"}]},
+     "tools[0].input_schema"),
+    ({"max_tokens": 4, "messages": [
+        {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}, *HI]},
+     "messages[0].content[0]"),
 ]
 
 

@@ -10,6 +10,7 @@ The HTTP and client side is in `test_tools_http.py`.
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -231,3 +232,48 @@ def test_forcing_needs_a_tool_format_with_a_grammar(engines):
     finally:
         engine.capabilities = saved
     assert "cannot be forced to call a tool" in str(rec.errors[1])
+
+
+# An open schema (no additionalProperties, no maxLength), as clients write them: the issue's run-away case.
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _accepted(engine: Engine, grammar, text: str) -> bool:
+    """Whether the forced grammar lets the model write `text` (whole) from the reply's start."""
+    matcher = engine.grammars.matcher(grammar)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids)
+
+
+def test_forced_call_takes_no_undeclared_key_nor_endless_whitespace(engines):
+    """A forced call on a schema that says nothing of other properties is compiled as the strict
+    engines compile it: a key the schema does not declare, or whitespace past one space, cannot be
+    written (1 of 5 seeded required calls on synthetic:tiny ran to max_tokens inside such a key)."""
+    from mlxrt.worker.forced import tool_call_grammar
+
+    engine = engines("tiny")
+    chat = ChatOptions(tools=[WEATHER], tool_choice="required").validate()
+    grammar = tool_call_grammar(engine.tokenizer, engine.capabilities, chat, reasoning_open=False)
+    head = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"'
+    assert _accepted(engine, grammar, head + '}}\n</tool_call>')
+    assert not _accepted(engine, grammar, head + ', "when": "now"')
+    assert not _accepted(engine, grammar, head + ',  ')
+    assert not _accepted(engine, grammar, '<tool_call>\n{"name": "weather", "arguments":\n')
+
+
+def test_seeded_required_calls_on_an_open_schema_write_only_its_keys(engines):
+    """Five seeded "required" calls on the open schema: every key written, in calls that ended and in
+    replies cut by max_tokens (an unbounded string may still run), is one the grammar declares."""
+    engine = engines("tiny")
+    reqs = [Generate(id=i, params=SamplingParams(max_tokens=160, temperature=1.0, seed=i),
+                     messages=[ChatMessage("user", "Weather in Oslo?")],
+                     chat=ChatOptions(tools=[WEATHER], tool_choice="required").validate()) for i in range(5)]
+    rec = run(engine, reqs)
+    assert not rec.errors
+    key = re.compile(r'(?<!\\)"((?:[^"\\]|\\.)*)" ?:')  # a JSON key: its closing quote unescaped
+    for r in reqs:
+        text = engine.tokenizer.decode(rec.ids[r.id])
+        assert set(key.findall(text)) <= {"name", "arguments", "city"}, text
+        for c in rec.calls[r.id]:
+            assert set(json.loads(c.arguments)) == {"city"}

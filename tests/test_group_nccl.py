@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 @pytest.fixture(scope="module")
 def tiny() -> str:
     """The `tiny` synthetic model (float32: tensor parallelism's sums round as one process's do)."""
-    from mlxrt.worker.synthetic import ensure_model
+    from mlxrt.synthetic.build import ensure_model
 
     return str(ensure_model("tiny"))
 

@@ -122,8 +122,8 @@ def test_deep_nesting_is_400(http, path):
 def test_nesting_limit_is_exact(http):
     """The body itself is level 1: MAX_JSON_DEPTH levels pass the nesting check, one more does not."""
     for depth, deep in ((MAX_JSON_DEPTH, False), (MAX_JSON_DEPTH + 1, True)):
-        # options: a 400 either way (unknown key "k"); format would now be a JSON schema to serve
-        body = b'{"model": "tiny", "options": ' + nested(depth - 1) + b"}"
+        # think takes a bool or a string: a 400 either way; format would now be a JSON schema to serve
+        body = b'{"model": "tiny", "think": ' + nested(depth - 1) + b"}"
         r = http.post("/api/chat", content=body)
         assert r.status_code == 400, r.text
         assert ("levels" in r.json()["error"]) is deep, r.text

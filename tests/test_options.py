@@ -215,13 +215,14 @@ def test_model_defaults_fill_what_a_request_leaves_out():
 
 
 def test_synthetic_variant_references_parse():
-    """``synthetic:PRESET[:SEED]?noise=X&layers=N``: parsed, and bad values named."""
+    """``synthetic:PRESET[:SEED]?noise=X&layers=N&context=C``: parsed, and bad values named."""
     from mlxrt.synthetic.presets import parse_synthetic
 
     ref = parse_synthetic("tiny:3?noise=0.02&layers=1")
     assert (ref.preset, ref.seed, ref.noise, ref.layers, ref.is_variant) == ("tiny", 3, 0.02, 1, True)
     assert not parse_synthetic("tiny").is_variant
-    for bad in ("tiny?noise=x", "tiny?depth=2", "tiny?layers=0", "tiny:-1"):
+    assert parse_synthetic("tiny-qwen3?context=131072").context == 131072
+    for bad in ("tiny?noise=x", "tiny?depth=2", "tiny?layers=0", "tiny:-1", "tiny?context=8"):
         with pytest.raises(ValueError, match="invalid synthetic model"):
             parse_synthetic(bad)
 

@@ -136,6 +136,24 @@ def test_ensure_model_uses_the_cache_dir(tmp_path, monkeypatch):
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+def test_context_variant_keeps_the_weights(tmp_path, monkeypatch):
+    """``?context=C`` makes the preset with a C-token context (config, tokenizer, the orchestrator's view)
+    and the same weights, in a directory of its own beside the preset's."""
+    from mlxrt.synthetic.build import ensure_synthetic
+    from mlxrt.synthetic.presets import parse_synthetic, synthetic_preset
+
+    monkeypatch.setenv("MLXRT_MODELS_DIR", str(tmp_path))
+    ref = parse_synthetic("tiny-qwen3?context=131072")
+    long, base = ensure_synthetic(ref), ensure_model("tiny-qwen3")
+    assert long.name == "tiny-qwen3-s0-c131072"
+    assert json.loads((long / "config.json").read_text())["max_position_embeddings"] == 131072
+    assert json.loads((base / "config.json").read_text())["max_position_embeddings"] == 512
+    assert json.loads((long / "tokenizer_config.json").read_text())["model_max_length"] == 131072
+    assert synthetic_preset(ref).config()["max_position_embeddings"] == 131072
+    a, b = _files(long), _files(base)
+    assert a["model.safetensors"] == b["model.safetensors"] and a["tokenizer.json"] == b["tokenizer.json"]
+
+
 def test_tiny_greedy_output_is_varied(tiny_loaded):
     """32 greedy tokens from tiny are not one token repeated (tests need real streams)."""
     import mlx_lm

@@ -61,7 +61,7 @@ from tokenizers import (
     trainers,
 )
 
-from .presets import EMBED_STD, FORMAT_VERSION, Preset, SyntheticRef, default_model_dir, get_preset
+from .presets import EMBED_STD, FORMAT_VERSION, Preset, SyntheticRef, default_model_dir, get_preset, resized
 
 # MLX is imported where weights are drawn, so writing a tokenizer or a marker needs none.
 if TYPE_CHECKING:
@@ -95,7 +95,9 @@ def ensure_synthetic(ref: SyntheticRef) -> Path:
     out = default_model_dir(ref.preset, ref.seed)
     if ref.vocab is not None:
         out = out.with_name(f"{out.name}-v{ref.vocab}")
-    return make_model(ref.preset, out, seed=ref.seed, vocab_size=ref.vocab)
+    if ref.context is not None:
+        out = out.with_name(f"{out.name}-c{ref.context}")
+    return make_model(ref.preset, out, seed=ref.seed, vocab_size=ref.vocab, context=ref.context)
 
 
 def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
@@ -108,7 +110,7 @@ def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any
 
 
 def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force: bool = False,
-               vocab_size: int | None = None) -> Path:
+               vocab_size: int | None = None, context: int | None = None) -> Path:
     """Write a loadable mlx-lm model directory at `out` and return it.
 
     The same (preset, seed) writes the same bytes. If `out` already holds this
@@ -117,11 +119,10 @@ def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force
     with `force`. The directory is built beside `out` and renamed into place,
     so readers never see a half-written model. `vocab_size` replaces the
     preset's: presets of one family and one vocabulary size share a
-    tokenizer, so a small preset can be made a draft for a large one.
+    tokenizer, so a small preset can be made a draft for a large one. `context` replaces its
+    max_position_embeddings (tokens); the weights stay the same.
     """
-    spec = get_preset(preset)
-    if vocab_size is not None:
-        spec = dataclasses.replace(spec, vocab_size=vocab_size)
+    spec = resized(get_preset(preset), vocab_size=vocab_size, context=context)
     out = Path(out).expanduser()
     marker = _marker(preset, spec, seed)
     found = _read_marker(out)

@@ -324,14 +324,15 @@ def default_model_dir(preset: str, seed: int = 0) -> Path:
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticRef:
-    """What follows ``synthetic:`` in a model reference: ``PRESET[:SEED][?noise=X&layers=N&vocab=V]``.
+    """What follows ``synthetic:`` in a model ref: ``PRESET[:SEED][?noise=X&layers=N&vocab=V&context=C]``.
 
     With `noise` or `layers` it names a *variant* of the preset (`variants.py`): its weights each
     multiplied by ``1 + noise * N(0, 1)``, its first `layers` layers kept; the tokenizer is the
     preset's, so a variant is a draft model for it whose acceptance `noise` and `layers` control.
     `vocab` makes the preset with another vocabulary size, and so another tokenizer: that of the
     family's presets of that size (``synthetic:qwen2.5-0.5b-4bit?vocab=152064`` drafts for
-    ``synthetic:qwen2.5-7b-4bit``).
+    ``synthetic:qwen2.5-7b-4bit``). `context` makes it with another context (max_position_embeddings,
+    in tokens) and the same weights: ``synthetic:tiny-qwen3?context=131072`` takes agent-sized prompts.
     """
 
     preset: str
@@ -339,6 +340,7 @@ class SyntheticRef:
     noise: float = 0.0
     layers: int | None = None
     vocab: int | None = None
+    context: int | None = None
 
     @property
     def is_variant(self) -> bool:
@@ -346,7 +348,7 @@ class SyntheticRef:
 
 
 def parse_synthetic(ref: str) -> SyntheticRef:
-    """Parse ``PRESET[:SEED][?noise=X&layers=N]``; `ValueError` naming what is wrong."""
+    """Parse ``PRESET[:SEED][?noise=X&layers=N&vocab=V&context=C]``; `ValueError` naming what is wrong."""
     head, _, query = ref.partition("?")
     preset, _, seed = head.partition(":")
     try:
@@ -359,18 +361,28 @@ def parse_synthetic(ref: str) -> SyntheticRef:
                 out = dataclasses.replace(out, layers=int(value))
             elif key == "vocab":
                 out = dataclasses.replace(out, vocab=int(value))
+            elif key == "context":
+                out = dataclasses.replace(out, context=int(value))
             else:
-                raise ValueError(f"unknown key {key!r} (noise, layers, vocab)")
+                raise ValueError(f"unknown key {key!r} (noise, layers, vocab, context)")
     except ValueError as exc:
         raise ValueError(f"invalid synthetic model 'synthetic:{ref}': {exc}") from None
     if (out.seed < 0 or not 0.0 <= out.noise <= 10.0 or (out.layers is not None and out.layers < 1)
-            or (out.vocab is not None and out.vocab < 256)):
+            or (out.vocab is not None and out.vocab < 256) or (out.context is not None and out.context < 16)):
         raise ValueError(f"invalid synthetic model 'synthetic:{ref}': seed >= 0, noise in [0, 10], "
-                         "layers >= 1, vocab >= 256")
+                         "layers >= 1, vocab >= 256, context >= 16")
     return out
 
 
 def synthetic_preset(ref: SyntheticRef) -> Preset:
-    """The preset `ref` is made from (its vocabulary replaced); KeyError for an unknown preset."""
-    spec = PRESETS[ref.preset]
-    return spec if ref.vocab is None else dataclasses.replace(spec, vocab_size=ref.vocab)
+    """The preset `ref` is made from (its vocabulary and context replaced); KeyError for an unknown preset."""
+    return resized(PRESETS[ref.preset], vocab_size=ref.vocab, context=ref.context)
+
+
+def resized(spec: Preset, *, vocab_size: int | None, context: int | None) -> Preset:
+    """`spec` with another vocabulary size and context (tokens) where given."""
+    if vocab_size is not None:
+        spec = dataclasses.replace(spec, vocab_size=vocab_size)
+    if context is not None:
+        spec = dataclasses.replace(spec, shape={**spec.shape, "max_position_embeddings": context})
+    return spec

@@ -110,7 +110,7 @@ class ModelKindError(ValueError):
 
 
 def resolve_model_path(model: str) -> str:
-    """Turn ``synthetic:PRESET[:SEED][?noise=X&layers=N&vocab=V]`` into a made-on-demand directory;
+    """Turn ``synthetic:PRESET[:SEED][?noise=X&layers=N&vocab=V&context=C]`` into a made-on-demand directory;
     pass others through."""
     if not model.startswith(SYNTHETIC_PREFIX):
         return model

@@ -34,6 +34,7 @@ import json
 from typing import Any
 
 from ..ipc.protocol import FORCED_TOOL_FORMATS, Capabilities, ChatOptions, Grammar
+from .grammar import closed_schema
 
 #: Whitespace between the end of the reasoning and the call (the templates write "\n\n").
 GAP = r"/[ \t\n]{0,4}/"
@@ -131,8 +132,11 @@ def _parameters(fn: dict) -> dict:
 
 
 def _json(schema: dict) -> str:
-    """The schema as ``%json`` takes it, with the calls' whitespace rule."""
-    return json.dumps({**schema, "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}})
+    """The schema as ``%json`` takes it: closed as the strict engines close it (`closed_schema`: no
+    property it does not declare), with the calls' whitespace rule."""
+    closed = closed_schema(schema)
+    assert isinstance(closed, dict)
+    return json.dumps({**closed, "x-guidance": {"whitespace_pattern": CALL_WHITESPACE}})
 
 
 def _nested(schema: Any, key: str) -> Any:

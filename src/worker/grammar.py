@@ -28,6 +28,7 @@ Unconstrained sequences have no `Constraint` and pay nothing.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 
@@ -50,11 +51,63 @@ class GrammarError(ValueError):
     """A grammar that cannot be compiled against this model's tokenizer: the request fails alone."""
 
 
+#: Keywords whose value is a map of schemas, a list of schemas, or one schema (JSON Schema 2020-12 and
+#: the older ``definitions`` and array ``items``); `closed_schema` walks these and nothing else.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else",
+               "contains", "propertyNames", "unevaluatedItems", "additionalItems")
+#: An object schema with one of these says what other properties it takes (or gets them from elsewhere).
+_OPEN_KEYS = frozenset({"additionalProperties", "unevaluatedProperties", "patternProperties", "allOf",
+                        "anyOf", "oneOf", "$ref", "$dynamicRef", "if", "dependentSchemas"})
+
+
+def closed_schema(schema: object) -> object:
+    """`schema` compiled as the strict engines compile it (OpenAI's ``strict``, xgrammar's strict mode):
+    an object schema that declares ``properties`` and says nothing of others takes no others
+    (``additionalProperties: false``); one that declares none, or allows others, is left as it is.
+    Members of ``allOf`` are not closed: each would refuse the others' properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_close_inside(sub) for sub in out["allOf"]]
+    if isinstance(out.get("properties"), dict) and not _OPEN_KEYS & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+def _close_inside(schema: object) -> object:
+    """`closed_schema` below `schema`'s own level (an ``allOf`` member)."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = closed_schema({**schema, "allOf": []})
+    assert isinstance(closed, dict)
+    if "allOf" in schema:
+        closed["allOf"] = [_close_inside(sub) for sub in schema["allOf"]]
+    else:
+        del closed["allOf"]
+    if "additionalProperties" not in schema:
+        closed.pop("additionalProperties", None)
+    return closed
+
+
 def grammar_text(grammar: Grammar) -> str:
-    """llguidance's grammar definition for `grammar` (not yet checked)."""
+    """llguidance's grammar definition for `grammar` (not yet checked); a JSON schema is closed first
+    (`closed_schema`) and its whitespace bounded (`JSON_WHITESPACE`)."""
     if grammar.kind == "json_schema":
         options: llguidance.JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE}
-        return llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=options)
+        source = json.dumps(closed_schema(json.loads(grammar.source)))
+        return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=options)
     if grammar.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(grammar.source)
     return llguidance.LLMatcher.grammar_from_lark(grammar.source)

@@ -38,6 +38,7 @@ from ..errors import MlxrtError
 from ..request import Request as RtRequest
 from ..structured import check_tool_schema, json_schema_grammar
 from .anthropic_schemas import (
+    SERVER_BLOCKS,
     AnthropicMessage,
     ContentBlockDelta,
     ContentBlockStart,
@@ -64,6 +65,7 @@ from .anthropic_schemas import (
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
     Usage,
@@ -71,7 +73,7 @@ from .anthropic_schemas import (
 from .blocks import Block, BlockEvents, collect
 from .errors import HttpError, anthropic_error, from_runtime_error
 from .schemas import ENCODER
-from .service import Generation, Service, json_response, new_id
+from .service import Generation, Service, json_response, log_ignored, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: Anthropic's default temperature; mlxrt's own is greedy.
@@ -109,21 +111,53 @@ def system_text(system: str | list[TextBlock] | None) -> str:
 def chat_prompt(req: CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation as the runtime's chat messages (OpenAI's shape); 400 for a block this
     server cannot serve, a ``tool_result`` answering no earlier ``tool_use``, or a final
-    assistant turn (a prefill, which the chat templates cannot continue)."""
+    assistant turn (a prefill, which the chat templates cannot continue).
+
+    ``role: "system"`` turns (Claude Code sends one for a model name it does not know) that come
+    before every other turn join the ``system`` text, after it; a later one stays where it is, a
+    system turn in the conversation, as chat completions pass it: the template renders it there
+    (Qwen, Llama) or refuses it (a 400 with the template's message).
+    """
     out: list[dict[str, Any]] = []
-    system = system_text(req.system)
-    if system:
-        out.append({"role": "system", "content": system})
+    system = [system_text(req.system)] if req.system else []
+    lead = next((i for i, m in enumerate(req.messages) if m.role != "system"), len(req.messages))
+    system += [_system_text(i, m) for i, m in enumerate(req.messages[:lead])]
+    if any(system):
+        out.append({"role": "system", "content": "\n\n".join(t for t in system if t)})
     calls: set[str] = set()
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages[lead:], lead):
         if m.role == "assistant":
             out.append(_assistant(i, m, calls))
+        elif m.role == "system":
+            out.append({"role": "system", "content": _system_text(i, m)})
         else:
             out.extend(_user(i, m, calls))
     if req.messages[-1].role == "assistant":
         param = f"messages[{len(req.messages) - 1}]"
         raise _unsupported(param, "a final assistant turn to continue (prefill)")
     return out
+
+
+def late_system_turn(req: CountTokensRequest) -> int | None:
+    """The index of the first ``system`` turn that comes after another turn, if any (`chat_prompt`
+    leaves it in place)."""
+    began = False
+    for i, m in enumerate(req.messages):
+        if m.role != "system":
+            began = True
+        elif began:
+            return i
+    return None
+
+
+def _system_text(i: int, m: AnthropicMessage) -> str:
+    """A system turn's text: its text blocks; 400 naming any other block."""
+    if isinstance(m.content, str):
+        return m.content
+    for j, b in enumerate(m.content):
+        if not isinstance(b, TextBlock):
+            raise _block_refused(i, j, b, "a system turn")
+    return "\n".join(b.text for b in m.content)  # type: ignore[union-attr]
 
 
 def _assistant(i: int, m: AnthropicMessage, calls: set[str]) -> dict[str, Any]:
@@ -139,7 +173,7 @@ def _assistant(i: int, m: AnthropicMessage, calls: set[str]) -> dict[str, Any]:
             calls.add(b.id)
             fn = {"name": b.name, "arguments": b.input}
             tool_calls.append({"id": b.id, "type": "function", "function": fn})
-        elif not isinstance(b, RedactedThinkingBlock):  # redacted: nothing to show the template
+        elif not isinstance(b, (RedactedThinkingBlock, *SERVER_BLOCKS)):  # nothing to show the template
             raise _block_refused(i, j, b, "an assistant turn")
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if tool_calls:
@@ -165,7 +199,7 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
                 raise HttpError(400, f"{param}: no tool_use block with id {b.tool_use_id!r} in an earlier "
                                      f"assistant turn", param=param)
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(i, j, b)})
-        else:
+        elif not isinstance(b, SERVER_BLOCKS):  # a server tool's result: this server ran none
             raise _block_refused(i, j, b, "a user turn")
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
@@ -175,10 +209,15 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
 def _result_text(i: int, j: int, b: ToolResultBlock) -> str:
     if isinstance(b.content, str):
         return b.content
+    texts = []
     for k, part in enumerate(b.content):
-        if not isinstance(part, TextBlock):
+        if isinstance(part, TextBlock):
+            texts.append(part.text)
+        elif isinstance(part, ToolReferenceBlock):
+            texts.append(part.tool_name)
+        else:
             raise _block_refused(i, j, part, "a tool result", f".content[{k}]")
-    return "\n".join(p.text for p in b.content)  # type: ignore[union-attr]
+    return "\n".join(texts)
 
 
 def _block_refused(i: int, j: int, b: object, where: str, tail: str = "") -> HttpError:
@@ -204,25 +243,34 @@ def sampling_params(req: MessagesRequest) -> dict[str, Any]:
     return params
 
 
-def messages_request(req: MessagesRequest, model: str, defaults: Mapping[str, Any]) -> RtRequest:
-    """The runtime's `Request` for a Messages request; `defaults`: the model's default sampling."""
-    params = {**constrain(sampling_params(req), req), **chat_params(req)}
+def messages_request(req: MessagesRequest, model: str, defaults: Mapping[str, Any],
+                     dropped: list[str] | None = None) -> RtRequest:
+    """The runtime's `Request` for a Messages request; `defaults`: the model's default sampling; server
+    tools left out are named in `dropped`."""
+    params = {**constrain(sampling_params(req), req), **chat_params(req, dropped)}
     return RtRequest.build(chat_prompt(req), params, defaults={**API_DEFAULTS, **defaults}, model=model)
 
 
-def count_request(req: CountTokensRequest, model: str, defaults: Mapping[str, Any]) -> RtRequest:
+def count_request(req: CountTokensRequest, model: str, defaults: Mapping[str, Any],
+                  dropped: list[str] | None = None) -> RtRequest:
     """The runtime's `Request` that counts `req`'s prompt: one greedy token (the model's defaults
     do not apply)."""
-    return RtRequest.build(chat_prompt(req), {**chat_params(req), "max_tokens": 1, "temperature": 0.0},
-                           model=model)
+    params = {**chat_params(req, dropped), "max_tokens": 1, "temperature": 0.0}
+    return RtRequest.build(chat_prompt(req), params, model=model)
 
 
-def chat_params(req: CountTokensRequest) -> dict[str, Any]:
+def chat_params(req: CountTokensRequest, dropped: list[str] | None = None) -> dict[str, Any]:
     """The runtime's chat keywords: tools (as OpenAI function tools), tool_choice and think; 400
-    naming the field (Anthropic's name for it) for a bad tool or tool choice."""
+    naming the field (Anthropic's name for it) for a bad tool or tool choice. Server tools
+    (``web_search_20250305``, ...) are left out, each named in `dropped`."""
     params: dict[str, Any] = {}
     names: list[str] = []
+    tools = []
     for i, tool in enumerate(req.tools or ()):
+        if tool.type not in (None, "custom"):  # Anthropic's servers run these; this one cannot
+            if dropped is not None:
+                dropped.append(f"tools[{i}] ({tool.type} {tool.name!r}: a server tool, not run here)")
+            continue
         if not tool.name.strip() or tool.name in names:
             why = "names a tool twice" if tool.name in names else "required, a non-empty string"
             raise HttpError(400, f"tools[{i}].name: {why}", param=f"tools[{i}].name")
@@ -231,8 +279,9 @@ def chat_params(req: CountTokensRequest) -> dict[str, Any]:
         except ValueError as exc:
             raise HttpError(400, str(exc), param=f"tools[{i}].input_schema") from None
         names.append(tool.name)
-    if req.tools:
-        params["tools"] = [_function(t) for t in req.tools]
+        tools.append(tool)
+    if tools:
+        params["tools"] = [_function(t) for t in tools]
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceNone):
         params["tool_choice"] = "none"
@@ -383,12 +432,37 @@ class AnthropicApi:
     def __init__(self, svc: Service) -> None:
         self.svc = svc
 
+    def _build(self, request: Request, req: CountTokensRequest, ignored: list[str], to_request,
+               defaults: bool) -> RtRequest:
+        """The runtime's `Request` for `req`, checked; what was ignored or left out is logged, in one
+        line."""
+        model = self.svc.model(req.model)
+        dropped: list[str] = []
+        rt_req = self.svc.build(NAMES, to_request, req, model,
+                                self.svc.sampling_defaults(model) if defaults else {}, dropped)
+        log_ignored(request, ignored, dropped)
+        return rt_req
+
+    async def _start(self, request: Request, endpoint: str, req: CountTokensRequest, rt_req: RtRequest,
+                     t0: float) -> Generation:
+        """`Service.start`; a template that refuses a system turn left in the conversation is a 400
+        naming that turn's role."""
+        try:
+            return await self.svc.start(request, endpoint, rt_req, NAMES, t0)
+        except HttpError as exc:
+            late = late_system_turn(req)
+            if late is None or exc.status != 400 or not exc.message.startswith("Template"):
+                raise
+            param = f"messages[{late}].role"
+            raise HttpError(400, f"{param}: the model's chat template cannot take a system turn after the "
+                                 f"conversation began ({exc.message})", param=param) from exc
+
     async def messages(self, request: Request) -> Response | EventStream:
         t0 = time.perf_counter()
-        req: MessagesRequest = await self.svc.read(request, _messages_decoder)
-        model = self.svc.model(req.model)
-        rt_req = self.svc.build(NAMES, messages_request, req, model, self.svc.sampling_defaults(model))
-        gen = await self.svc.start(request, "/v1/messages", rt_req, NAMES, t0)
+        ignored: list[str] = []
+        req: MessagesRequest = await self.svc.read(request, _messages_decoder, ignored=ignored)
+        rt_req = self._build(request, req, ignored, messages_request, defaults=True)
+        gen = await self._start(request, "/v1/messages", req, rt_req, t0)
         message = Message(id=new_id("msg", "_"), model=req.model, content=[], usage=Usage(input_tokens=0,
                                                                                       output_tokens=0))
         thinking = shows_thinking(req)
@@ -405,10 +479,10 @@ class AnthropicApi:
     async def count_tokens(self, request: Request) -> Response:
         """The request's prompt tokens, counted by the model's worker (see the module's docstring)."""
         t0 = time.perf_counter()
-        req: CountTokensRequest = await self.svc.read(request, _count_decoder)
-        model = self.svc.model(req.model)
-        rt_req = self.svc.build(NAMES, count_request, req, model, {})
-        gen = await self.svc.start(request, "/v1/messages/count_tokens", rt_req, NAMES, t0)
+        ignored: list[str] = []
+        req: CountTokensRequest = await self.svc.read(request, _count_decoder, ignored=ignored)
+        rt_req = self._build(request, req, ignored, count_request, defaults=False)
+        gen = await self._start(request, "/v1/messages/count_tokens", req, rt_req, t0)
         await gen.all_chunks(request.receive)
         return json_response(CountTokens(gen.prompt_tokens))
 

@@ -1,42 +1,51 @@
 """Anthropic Messages bodies as msgspec Structs: requests decoded strictly, replies and events encoded fast.
 
-A request's top level refuses unknown fields, as Anthropic's API does
-("Extra inputs are not permitted"). Content blocks, tools and the like are
-decoded by their ``type`` and keep only the fields mlxrt uses: clients send
-back what they received (``signature``, ``citations``, ``caller``,
-``cache_control``), and it changes nothing here. A block type that is not
-listed is a 400 naming its path (``messages[0].content[1].type``).
+Request Structs derive from `Strict`: a field they do not declare is dropped
+and named in the server's log, never a 400 (`body.decode`). Fields clients
+send back or send for Anthropic's own servers (``signature``, ``citations``,
+``cache_control``, ``caller``, ``defer_loading``, ...) are declared and
+change nothing here, so they are not logged. Content blocks are decoded by
+their ``type``: blocks of Anthropic's server tools (``server_tool_use``,
+``web_search_tool_result``, ...) that a client replays are taken and left out
+of the prompt (this server runs no server tools); a type that is not listed
+is a 400 naming its path (``messages[0].content[1].type``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from msgspec import Meta, Struct
+from msgspec import Meta, Struct, defstruct
 
 from .schemas import Float, Int, Strict
 
 # ---- content blocks (requests and replies) -------------------------------------------
 
 
-class TextBlock(Struct, tag="text", tag_field="type", kw_only=True):
+class TextBlock(Strict, tag="text", tag_field="type", kw_only=True, omit_defaults=True):
     text: str
+    # Accepted, no effect here.
+    citations: Any = None
+    cache_control: Any = None
 
 
-class ThinkingBlock(Struct, tag="thinking", tag_field="type", kw_only=True):
+class ThinkingBlock(Strict, tag="thinking", tag_field="type", kw_only=True):
     thinking: str
     #: Anthropic signs its thinking; mlxrt's is unsigned (""), and a signature sent back is not checked.
     signature: str = ""
 
 
-class RedactedThinkingBlock(Struct, tag="redacted_thinking", tag_field="type", kw_only=True):
+class RedactedThinkingBlock(Strict, tag="redacted_thinking", tag_field="type", kw_only=True):
     data: str = ""
 
 
-class ToolUseBlock(Struct, tag="tool_use", tag_field="type", kw_only=True):
+class ToolUseBlock(Strict, tag="tool_use", tag_field="type", kw_only=True, omit_defaults=True):
     id: str
     name: str
     input: dict[str, Any]
+    # Accepted, no effect here.
+    cache_control: Any = None
+    caller: Any = None
 
 
 class ImageBlock(Struct, tag="image", tag_field="type"):
@@ -47,63 +56,94 @@ class DocumentBlock(Struct, tag="document", tag_field="type"):
     """As `ImageBlock`."""
 
 
-class ToolResultBlock(Struct, tag="tool_result", tag_field="type", kw_only=True):
+class ToolReferenceBlock(Strict, tag="tool_reference", tag_field="type", kw_only=True):
+    """A tool a tool search found (Claude Code's deferred tools): every tool is in the prompt here
+    already, so it reads as the tool's name."""
+
+    tool_name: str
+    cache_control: Any = None
+
+
+class ToolResultBlock(Strict, tag="tool_result", tag_field="type", kw_only=True):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock | DocumentBlock] = ""
+    content: str | list[TextBlock | ImageBlock | DocumentBlock | ToolReferenceBlock] = ""
     is_error: bool = False
+    cache_control: Any = None
 
 
-Block = (TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | ImageBlock
-         | DocumentBlock)
+#: Blocks of Anthropic's server tools (web search, code execution, MCP connector, ...): a client that
+#: replays a conversation sends them back; this server runs none and leaves them out of the prompt.
+SERVER_BLOCK_TYPES = (
+    "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result",
+    "mcp_tool_use", "mcp_tool_result", "container_upload",
+)
+SERVER_BLOCKS: tuple[type, ...] = tuple(
+    defstruct(f"ServerBlock_{t}", [], tag=t, tag_field="type") for t in SERVER_BLOCK_TYPES)
+
+Block = Union[  # noqa: UP007 -- the server blocks are built above, so the union is too
+    (TextBlock, ThinkingBlock, RedactedThinkingBlock, ToolUseBlock, ToolResultBlock, ImageBlock,
+     DocumentBlock, *SERVER_BLOCKS)]
 
 
 # ---- requests ------------------------------------------------------------------------
 
 
 class AnthropicMessage(Strict, kw_only=True):
-    role: Literal["user", "assistant"]
-    content: str | list[Block]
+    #: "system" is not Anthropic's, but Claude Code sends one for a model it does not know
+    #: (`anthropic.chat_prompt` says where it goes).
+    role: Literal["user", "assistant", "system"]
+    content: str | list[Block]  # type: ignore[valid-type]
 
 
-class Tool(Struct, kw_only=True):
-    """A client tool; ``cache_control``, ``strict``, ``input_examples`` and the like are ignored."""
+class Tool(Strict, kw_only=True):
+    """A client tool (``type`` absent or ``"custom"``), or a server tool (``web_search_20250305``, ...),
+    which this server cannot run: it is left out, with a warning."""
 
     name: str
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # required of a client tool (`anthropic.chat_params`)
     description: str | None = None
-    type: Literal["custom"] | None = None
+    type: str | None = None
+    # Accepted, no effect here: the prefix cache is automatic, every tool is in the prompt, calls are
+    # checked only when forced.
+    cache_control: Any = None
+    defer_loading: bool | None = None
+    strict: bool | None = None
+    input_examples: Any = None
+    eager_input_streaming: bool | None = None
 
 
-class ToolChoiceAuto(Struct, tag="auto", tag_field="type", kw_only=True):
+class ToolChoiceAuto(Strict, tag="auto", tag_field="type", kw_only=True):
     disable_parallel_tool_use: bool = False  #: accepted, no effect (as OpenAI's parallel_tool_calls)
 
 
-class ToolChoiceAny(Struct, tag="any", tag_field="type", kw_only=True):
+class ToolChoiceAny(Strict, tag="any", tag_field="type", kw_only=True):
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceTool(Struct, tag="tool", tag_field="type", kw_only=True):
+class ToolChoiceTool(Strict, tag="tool", tag_field="type", kw_only=True):
     name: str
     disable_parallel_tool_use: bool = False
 
 
-class ToolChoiceNone(Struct, tag="none", tag_field="type", kw_only=True):
+class ToolChoiceNone(Strict, tag="none", tag_field="type", kw_only=True):
     pass
 
 
 ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 
 
-class ThinkingEnabled(Struct, tag="enabled", tag_field="type", kw_only=True):
-    budget_tokens: Int = 0  #: accepted; the thinking is not cut at the budget (max_tokens bounds it)
+class ThinkingEnabled(Strict, tag="enabled", tag_field="type", kw_only=True):
+    #: Accepted, above max_tokens too; the thinking is not cut at the budget (max_tokens bounds it).
+    budget_tokens: Int = 0
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingAdaptive(Struct, tag="adaptive", tag_field="type", kw_only=True):
+class ThinkingAdaptive(Strict, tag="adaptive", tag_field="type", kw_only=True):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class ThinkingDisabled(Struct, tag="disabled", tag_field="type", kw_only=True):
+class ThinkingDisabled(Strict, tag="disabled", tag_field="type", kw_only=True):
     pass
 
 
@@ -130,9 +170,11 @@ class CountTokensRequest(Strict, kw_only=True):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
-    # Accepted, no effect here: the prefix cache is automatic; no context editing.
+    # Accepted, no effect here: the prefix cache is automatic; no context editing, no MCP connector.
     cache_control: Any = None
     context_management: Any = None
+    mcp_servers: Any = None
+    container: Any = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):

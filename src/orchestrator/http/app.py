@@ -9,7 +9,9 @@
                         +-- /health, /metrics read rt.workers
 
 Handlers turn every failure into an `HttpError` where it happens; the
-exception handlers render it in the API's own shape. A generation is awaited
+exception handlers render it in the API's own shape and log it: a 4xx as one
+info line (path, status, the message the client got), a 5xx as an error with
+its traceback (an exception no handler expected is a 500 in the API's shape). A generation is awaited
 up to its first chunk before the response starts, so an error the worker
 reports at once (prompt too long) is a 4xx status, not a broken stream.
 """
@@ -108,6 +110,7 @@ class Gate:
         try:
             denied = self._denied(scope)
             if denied is not None:
+                log_error(path, denied)
                 await _send_error(path, denied, send_status)
                 return
             await self.app(scope, receive, send_status)
@@ -168,16 +171,24 @@ def create_app(
     app = Starlette(
         routes=routes,
         exception_handlers={HttpError: _render_http_error, HTTPException: _render_starlette_error,
-                            ClientGone: _client_gone},
+                            ClientGone: _client_gone, Exception: _render_bug},
     )
     app.state.service = svc
     return Gate(app, svc)
 
 
+def log_error(path: str, err: HttpError) -> None:
+    """A 4xx: one info line with what the client was told; a 5xx: an error with the traceback (its
+    cause's: the runtime's or the worker's error)."""
+    if err.status >= 500:
+        log.error("http.error", path=path, status=err.status, error=err.message, exc_info=err)
+    else:
+        log.info("http.client_error", path=path, status=err.status, error=err.message, param=err.param)
+
+
 async def _render_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HttpError)
-    if exc.status >= 500:
-        log.error("http.error", path=request.url.path, status=exc.status, error=exc.message)
+    log_error(request.url.path, exc)
     headers = {"www-authenticate": "Bearer"} if exc.status == 401 else None
     return Response(body_for(request.url.path, exc), status_code=exc.status, media_type=JSON,
                     headers=headers)
@@ -189,6 +200,13 @@ async def _render_starlette_error(request: Request, exc: Exception) -> Response:
                405: f"method {request.method} not allowed on {request.url.path}"}.get(
         exc.status_code, str(exc.detail))
     return await _render_http_error(request, HttpError(exc.status_code, message))
+
+
+async def _render_bug(request: Request, exc: Exception) -> Response:
+    """An exception no handler expected: a 500 in the API's shape, logged with its traceback."""
+    err = HttpError(500, f"internal error: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return await _render_http_error(request, err)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

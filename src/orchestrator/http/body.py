@@ -6,6 +6,13 @@ recursion (a deep body is a `RecursionError`), and ``\\u0000`` decodes to a NUL
 character. So the body's nesting and UTF-8 are checked first, in linear scans,
 and NUL escapes are refused after decoding.
 
+Unknown fields are ignored, at any depth, and their paths returned to be
+logged (`Service.read`), as vLLM does: a client's new field never breaks a
+request. Request Structs forbid unknown fields, so the usual body (none)
+decodes in one strict pass; only a body that has some is decoded again as
+plain JSON, stripped of what the schema does not declare (`strip_unknown`)
+and converted. Known fields keep their checks: a bad value is a 400 naming it.
+
 A body over the limit is read to its end (up to `DRAIN_LIMIT_BYTES`, and
 dropped) before the 413 goes out: closing a connection with unread bytes makes
 the kernel reset it, and a client still sending never reads its 413.
@@ -13,10 +20,12 @@ the kernel reset it, and a client still sending never reads its 413.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 from starlette.requests import Request
 from starlette.types import Receive
 
@@ -79,11 +88,13 @@ async def _drain(receive: Receive) -> None:
         dropped += len(part)
 
 
-def decode(body: bytes, decoder: msgspec.json.Decoder, prefix: str = "") -> Any:
-    """`body` decoded strictly by `decoder`; `HttpError` 400 naming the problem, never another error.
+def decode(body: bytes, decoder: msgspec.json.Decoder, prefix: str = "", ignored: list[str] | None = None
+           ) -> Any:
+    """`body` decoded by `decoder`; `HttpError` 400 naming the problem, never another error.
 
-    Refused: an empty body, nesting deeper than `MAX_JSON_DEPTH`, invalid UTF-8, lone UTF-16
-    surrogate escapes, NUL (``\\u0000``) in any string, and whatever the schema refuses.
+    Fields the schema does not declare are dropped, their paths (``messages[2].foo``) appended to
+    `ignored`. Refused: an empty body, nesting deeper than `MAX_JSON_DEPTH`, invalid UTF-8, lone
+    UTF-16 surrogate escapes, NUL (``\\u0000``) in any string, and a declared field's bad value.
     """
     if not body:
         raise HttpError(400, "request body is empty: expected a JSON object", code="invalid_json")
@@ -98,15 +109,110 @@ def decode(body: bytes, decoder: msgspec.json.Decoder, prefix: str = "") -> Any:
     except RecursionError:  # unreachable past check_depth; kept so no body can be a 500
         raise _too_deep() from None
     except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError) and _UNKNOWN_FIELD in str(exc):
+            value = _decode_lenient(body, decoder.type, prefix, [] if ignored is None else ignored)
+            return _check_nul(body, value)
         lone = _lone_surrogate(body)
         if lone is not None:  # msgspec's own message is "Input data was truncated" for some
             raise HttpError(400, f"malformed JSON body: unpaired UTF-16 surrogate escape at byte {lone}",
                             code="invalid_json") from None
         raise from_decode_error(exc, prefix) from None
+    return _check_nul(body, value)
+
+
+def _check_nul(body: bytes, value: Any) -> Any:
     if b"\\u0000" in body and (m := _NUL.search(body)):
         raise HttpError(400, f"invalid request body: strings must not contain NUL (\\u0000); "
                              f"one is at byte {m.start('esc')}", code="invalid_string")
     return value
+
+
+#: msgspec's message for a field a Struct does not declare (its other errors name declared fields).
+_UNKNOWN_FIELD = "Object contains unknown field"
+
+
+def _decode_lenient(body: bytes, type_: Any, prefix: str, ignored: list[str]) -> Any:
+    """The slow path of `decode`: plain JSON, unknown fields dropped (and named), then converted."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc, prefix) from None
+    return convert(raw, type_, prefix, ignored)
+
+
+def convert(raw: Any, type_: Any, path: str, ignored: list[str]) -> Any:
+    """`raw` (plain JSON values) as `type_`, fields it does not declare dropped and their paths, under
+    `path`, appended to `ignored`; `HttpError` 400 naming a declared field with a bad value."""
+    try:
+        return msgspec.convert(raw, type_)  # the usual case: nothing unknown, one strict pass
+    except msgspec.ValidationError as exc:
+        if _UNKNOWN_FIELD not in str(exc):
+            raise _at(exc, path) from None
+    strip_unknown(raw, _info(type_), path, ignored)
+    try:
+        return msgspec.convert(raw, type_)
+    except msgspec.ValidationError as exc:
+        raise _at(exc, path) from None
+
+
+def _at(exc: msgspec.ValidationError, path: str) -> HttpError:
+    """msgspec's error as a 400, its path (which starts at the value converted) made the body's."""
+    if path:
+        text = str(exc)
+        text = text.replace("`$", f"`$.{path}") if "`$" in text else f"{text} - at `$.{path}`"
+        exc = msgspec.ValidationError(text)
+    return from_decode_error(exc)
+
+
+@functools.lru_cache(maxsize=64)
+def _info(type_: Any) -> mi.Type:
+    return mi.type_info(type_)
+
+
+def strip_unknown(value: Any, t: mi.Type, path: str, ignored: list[str]) -> None:
+    """Delete from `value` (plain JSON, in place) the object keys `t` does not declare, at any depth,
+    appending each one's path; what does not match `t` is left for msgspec to refuse."""
+    if isinstance(t, mi.Metadata):
+        t = t.type
+    if isinstance(t, mi.UnionType):
+        t = _member(value, t)
+    if isinstance(t, mi.StructType) and isinstance(value, dict):
+        fields = _fields(t)
+        # A Struct that does not forbid unknown fields skips them in the fast path too: nothing to name.
+        strict = t.forbid_unknown_fields
+        unknown = [k for k in value if k not in fields and k != t.tag_field] if strict else []
+        for key in unknown:
+            del value[key]
+            ignored.append(f"{path}.{key}" if path else key)
+        for key, item in value.items():
+            ft = fields.get(key)
+            if ft is not None:
+                strip_unknown(item, ft, f"{path}.{key}" if path else key, ignored)
+    elif isinstance(t, (mi.ListType, mi.VarTupleType)) and isinstance(value, list):
+        for i, item in enumerate(value):
+            strip_unknown(item, t.item_type, f"{path}[{i}]", ignored)
+    elif isinstance(t, mi.DictType) and isinstance(value, dict):
+        for key, item in value.items():
+            strip_unknown(item, t.value_type, f"{path}.{key}" if path else str(key), ignored)
+
+
+def _fields(t: mi.StructType) -> dict[str, mi.Type]:
+    return {f.encode_name: f.type for f in t.fields}
+
+
+def _member(value: Any, t: mi.UnionType) -> mi.Type | None:
+    """The member of a union that `value` decodes as (msgspec allows one per JSON kind, or a tagged
+    set of Structs); None if none fits."""
+    for m in t.types:
+        m = m.type if isinstance(m, mi.Metadata) else m
+        if isinstance(value, dict):
+            if isinstance(m, mi.DictType):
+                return m
+            if isinstance(m, mi.StructType) and (m.tag_field is None or value.get(m.tag_field) == m.tag):
+                return m
+        elif isinstance(value, list) and isinstance(m, (mi.ListType, mi.VarTupleType)):
+            return m
+    return None
 
 
 def check_depth(body: bytes) -> None:

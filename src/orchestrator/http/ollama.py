@@ -65,7 +65,7 @@ from .schemas import (
     OllamaToolCallOut,
     OllamaVersion,
 )
-from .service import UNLIMITED_TOKENS, Generation, Service, iso_now, json_response
+from .service import DEFAULT_MAX_TOKENS, UNLIMITED_TOKENS, Generation, Service, iso_now, json_response
 from .streaming import NDJSON_HEADERS, EventStream
 
 #: Ollama's own defaults (api.DefaultOptions), used when a request leaves an option out.
@@ -133,7 +133,7 @@ def parse_keep_alive(value: KeepAlive) -> float | None:
 
 
 #: Ollama's defaults where the request and the model's defaults leave a value out.
-API_DEFAULTS = {**DEFAULT_OPTIONS, "max_tokens": UNLIMITED_TOKENS}
+API_DEFAULTS = {**DEFAULT_OPTIONS, "max_tokens": DEFAULT_MAX_TOKENS}
 
 
 def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
@@ -146,7 +146,9 @@ def ollama_params(options: OllamaOptions | None) -> dict[str, Any]:
                          ("min_p", o.min_p), ("repetition_penalty", o.repeat_penalty)):
         if theirs is not None:
             p[ours] = theirs
-    if o.num_predict is not None and o.num_predict not in (-1, -2):
+    if o.num_predict in (-1, -2):  # Ollama's "no limit" and "fill the context"
+        p["max_tokens"] = UNLIMITED_TOKENS
+    elif o.num_predict is not None:
         if o.num_predict < 1:
             raise HttpError(400, f"options.num_predict: must be >= 1, or -1 (no limit) or -2 (fill the "
                                  f"context); got {o.num_predict}", param="options.num_predict")

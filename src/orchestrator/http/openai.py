@@ -55,7 +55,7 @@ from .schemas import (
     TopLogprobOut,
     Usage,
 )
-from .service import UNLIMITED_TOKENS, Generation, Reply, Service, json_response, new_id
+from .service import DEFAULT_MAX_TOKENS, Generation, Reply, Service, json_response, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's documented defaults where they differ from mlxrt's.
@@ -84,7 +84,7 @@ def _unsupported(param: str, what: str) -> HttpError:
 
 
 #: What the APIs default to where the request and the model's defaults leave a value out.
-CHAT_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": UNLIMITED_TOKENS}
+CHAT_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS}
 COMPLETION_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_COMPLETION_MAX_TOKENS}
 
 

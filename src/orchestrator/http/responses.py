@@ -41,13 +41,19 @@ from starlette.routing import Route
 
 from ..errors import MlxrtError
 from ..request import Request as RtRequest
-from ..structured import ANY_JSON_OBJECT, check_tool_schema, json_schema_grammar
+from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .blocks import Block, BlockEvents, collect, reasoning_tokens
-from .errors import HttpError, from_decode_error, from_runtime_error
+from .body import convert
+from .errors import HttpError, from_runtime_error
 from .responses_schemas import (
     ITEM_TYPES,
     ContentPartAdded,
     ContentPartDone,
+    CustomToolCallInputDelta,
+    CustomToolCallInputDone,
+    CustomToolCallItem,
+    CustomToolCallOut,
+    CustomToolCallOutputItem,
     Deleted,
     FormatJsonObject,
     FormatJsonSchema,
@@ -57,10 +63,10 @@ from .responses_schemas import (
     FunctionCallItem,
     FunctionCallOut,
     FunctionCallOutputItem,
+    HostedCallItem,
     IncompleteDetails,
     InputText,
     InputTokensDetails,
-    MessageItem,
     MessageOut,
     OutputItem,
     OutputItemAdded,
@@ -86,8 +92,9 @@ from .responses_schemas import (
     ResponseUsage,
     TextConfig,
 )
+from .responses_tools import ToolSet, chat_call, custom_arguments, custom_input, flat_name
 from .schemas import ENCODER
-from .service import UNLIMITED_TOKENS, Generation, Service, json_response, new_id
+from .service import DEFAULT_MAX_TOKENS, Generation, Service, json_response, log_ignored, new_id
 from .streaming import SSE_HEADERS, EventStream
 
 #: OpenAI's default temperature; mlxrt's own is greedy.
@@ -154,30 +161,36 @@ class ResponseStore:
 # ---- the request -------------------------------------------------------------------------
 
 
-def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, Any]],
+                   ignored: list[str] | None = None) -> list[dict[str, Any]]:
     """`items` as chat messages (OpenAI's shape), following `history`. An assistant turn gathers the
     reasoning, message and function calls that come in a row; a ``function_call_output`` must
-    answer a call made earlier (400 naming it otherwise)."""
+    answer a call made earlier (400 naming it otherwise). A namespaced or custom tool's call takes
+    the name the model sees (`responses_tools`); a hosted tool's call is left out. Fields no item
+    declares are appended to `ignored`."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    ignored = [] if ignored is None else ignored
     calls = {c["id"] for m in history for c in m.get("tool_calls", ())}
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant turn being gathered
     for i, raw in enumerate(items):
-        item = _item(i, raw)
+        item = _item(i, raw, ignored)
+        if isinstance(item, HostedCallItem):
+            continue
         if isinstance(item, ReasoningItem):
             parts = item.content if item.content is not None else item.summary
             turn = {"role": "assistant", "content": "", "reasoning_content": "".join(p.text for p in parts)}
             out.append(turn)
-        elif isinstance(item, FunctionCallItem):
+        elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
             if turn is None:
                 turn = {"role": "assistant", "content": ""}
                 out.append(turn)
             calls.add(item.call_id)
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            turn.setdefault("tool_calls", []).append(call)
-        elif isinstance(item, FunctionCallOutputItem):
+            arguments = item.arguments if isinstance(item, FunctionCallItem) else custom_arguments(item.input)
+            turn.setdefault("tool_calls", []).append(chat_call(item.call_id, item.name, item.namespace,
+                                                               arguments))
+        elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
             turn = None
             if item.call_id not in calls:
                 raise HttpError(400, f"input[{i}].call_id: no function_call with call_id {item.call_id!r} "
@@ -198,21 +211,18 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
     return out
 
 
-def _item(i: int, raw: Any) -> MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem:
-    """Input item `i`, decoded by its ``type`` (a message may leave it out)."""
+def _item(i: int, raw: Any, ignored: list[str]) -> Any:
+    """Input item `i`, decoded by its ``type`` (a message may leave it out); fields it does not
+    declare are appended to `ignored`."""
     kind = raw.get("type", "message") if isinstance(raw, dict) else None
     cls = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         known = ", ".join(ITEM_TYPES)
         raise HttpError(400, f"input[{i}].type: unknown or unsupported item type {kind!r} (this server takes "
                              f"{known})", param=f"input[{i}].type")
-    try:
-        return msgspec.convert(raw, cls)
-    except msgspec.ValidationError as exc:  # msgspec's path starts at the item: make it the body's
-        text = str(exc)
-        at = f"`$.input[{i}]"
-        text = text.replace("`$", at) if "`$" in text else f"{text} - at {at}`"
-        raise from_decode_error(msgspec.ValidationError(text)) from None
+    if cls is not HostedCallItem:
+        raw = {k: v for k, v in raw.items() if k != "type"}  # the item classes are not tagged
+    return convert(raw, cls, f"input[{i}]", ignored)
 
 
 def _text(i: int, content: str | list[Any], field: str, sep: str = "\n") -> str:
@@ -231,7 +241,7 @@ def _text(i: int, content: str | list[Any], field: str, sep: str = "\n") -> str:
 
 
 #: OpenAI's defaults where the request and the model's defaults leave a value out.
-API_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": UNLIMITED_TOKENS}
+API_DEFAULTS = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS}
 
 
 def sampling_params(req: ResponsesRequest) -> dict[str, Any]:
@@ -254,25 +264,15 @@ def sampling_params(req: ResponsesRequest) -> dict[str, Any]:
     return params
 
 
-def chat_params(req: ResponsesRequest) -> dict[str, Any]:
-    """The runtime's chat keywords: tools (as chat completions' function tools), tool_choice, think;
-    400 naming the field for a tool without a valid schema or a choice naming no tool."""
+def chat_params(req: ResponsesRequest, tools: ToolSet | None = None) -> dict[str, Any]:
+    """The runtime's chat keywords: tools (as chat completions' function tools, `responses_tools`),
+    tool_choice, think; 400 naming the field for a tool that cannot be flattened or a choice naming
+    no tool."""
     params: dict[str, Any] = {}
-    names = []
-    for i, tool in enumerate(req.tools or ()):
-        field = f"tools[{i}]"
-        if not tool.name.strip() or tool.name in names:
-            why = "names a function twice" if tool.name in names else "required, a non-empty string"
-            raise HttpError(400, f"{field}.name: {why}", param=f"{field}.name")
-        if tool.parameters is not None:
-            try:
-                check_tool_schema(tool.parameters, f"{field}.parameters")
-            except ValueError as exc:
-                raise HttpError(400, str(exc), param=f"{field}.parameters", code="invalid_function_parameters"
-                                ) from None
-        names.append(tool.name)
-    if req.tools:
-        params["tools"] = [_function(t) for t in req.tools]
+    tools = ToolSet(req.tools, []) if tools is None else tools
+    names = tools.names
+    if tools.functions:
+        params["tools"] = tools.functions
     choice = req.tool_choice
     if isinstance(choice, str):
         if choice != "auto" and (choice == "none" or names):
@@ -280,41 +280,34 @@ def chat_params(req: ResponsesRequest) -> dict[str, Any]:
         elif choice == "required":
             raise HttpError(400, "tool_choice: 'required' needs tools", param="tool_choice")
     elif choice is not None:
-        if choice.name not in names:
-            raise HttpError(400, f"tool_choice.name: {choice.name!r} is not among the tools {names}",
+        name = flat_name(choice.namespace, choice.name)
+        if name not in names:
+            raise HttpError(400, f"tool_choice.name: {name!r} is not among the tools {names}",
                             param="tool_choice.name")
-        params["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        params["tool_choice"] = {"type": "function", "function": {"name": name}}
     effort = req.reasoning.effort if req.reasoning else None
     if effort is not None:
         params["think"] = EFFORTS[effort]
     return params
 
 
-def _function(tool) -> dict[str, Any]:
-    fn: dict[str, Any] = {"name": tool.name}
-    if tool.description is not None:
-        fn["description"] = tool.description
-    if tool.parameters is not None:
-        fn["parameters"] = tool.parameters
-    return {"type": "function", "function": fn}
-
-
 # ---- the reply ---------------------------------------------------------------------------
 
 
-def output_item(block: Block, *, status: str = "completed") -> OutputItem:
+def output_item(block: Block, *, status: str = "completed", tools: ToolSet | None = None) -> OutputItem:
+    """A block as an output item; a call as `tools` names it to the client (namespace, custom)."""
     if block.kind == "reasoning":
         return ReasoningOut(id=new_id("rs", "_"), content=[ReasoningText(block.text)], status=status)
     if block.kind == "text":
         return MessageOut(id=new_id("msg", "_"), content=[OutputText(text=block.text)], status=status)
-    call = block.call
-    assert call is not None
-    return FunctionCallOut(id=new_id("fc", "_"), call_id=call.id, name=call.name, arguments=call.arguments,
-                           status=status)
+    return (tools or NO_TOOLS).call_item(block, status=status)
+
+
+NO_TOOLS = ToolSet(None, [])
 
 
 def assistant_turn(output: Iterable[OutputItem]) -> dict[str, Any]:
-    """The reply as the chat message a later turn continues from."""
+    """The reply as the chat message a later turn continues from (calls under the names the model saw)."""
     turn: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in output:
         if isinstance(item, ReasoningOut):
@@ -322,9 +315,9 @@ def assistant_turn(output: Iterable[OutputItem]) -> dict[str, Any]:
         elif isinstance(item, MessageOut):
             turn["content"] += item.content[0].text
         else:
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            turn.setdefault("tool_calls", []).append(call)
+            ns = item.namespace if isinstance(item.namespace, str) else None
+            arguments = item.arguments if isinstance(item, FunctionCallOut) else custom_arguments(item.input)
+            turn.setdefault("tool_calls", []).append(chat_call(item.call_id, item.name, ns, arguments))
     return turn
 
 
@@ -332,7 +325,8 @@ class Turn:
     """One request's response as it is built: the `Response` echoing the request, the conversation
     before it, and how it ends (status, usage, the store)."""
 
-    def __init__(self, req: ResponsesRequest, history: list[dict[str, Any]], store: ResponseStore) -> None:
+    def __init__(self, req: ResponsesRequest, history: list[dict[str, Any]], store: ResponseStore,
+                 warnings: list[str] | None = None) -> None:
         self.history = history
         self.store = store if req.store else None
         fmt = req.text.format if req.text and req.text.format else FormatText()
@@ -344,6 +338,8 @@ class Turn:
             parallel_tool_calls=req.parallel_tool_calls is not False, text=TextConfig(format=fmt),
             reasoning=req.reasoning, store=req.store, metadata=req.metadata or {}, truncation=req.truncation
             or "disabled", user=req.user)
+        if warnings:
+            self.response.warnings = warnings
 
     def finish(self, gen: Generation, output: list[OutputItem], reasoning: int) -> Response:
         """Complete the response (or mark it incomplete, cut by max_output_tokens) and store it."""
@@ -390,7 +386,7 @@ class Sequencer:
         return _sse(event)
 
 
-async def response_events(gen: Generation, turn: Turn) -> AsyncIterator[bytes]:
+async def response_events(gen: Generation, turn: Turn, tools: ToolSet) -> AsyncIterator[bytes]:
     """The SSE events of a streamed response; the delta events are built once and mutated."""
     sse = Sequencer()
     yield sse(ResponseCreated(response=turn.response))
@@ -406,7 +402,7 @@ async def response_events(gen: Generation, turn: Turn) -> AsyncIterator[bytes]:
                 delta.delta = e.text
                 yield sse(delta)
             elif e.type == "start":
-                item = output_item(e.block, status="in_progress")
+                item = output_item(e.block, status="in_progress", tools=tools)
                 output.append(item)
                 for event in _item_start(e.index, item, e.block):
                     yield sse(event)
@@ -434,6 +430,10 @@ def _item_start(index: int, item: OutputItem, block: Block) -> list[Any]:
         item.arguments = ""
         return [OutputItemAdded(output_index=index, item=item),
                 FunctionCallArgumentsDelta(item_id=item.id, output_index=index, delta=block.call.arguments)]
+    if isinstance(item, CustomToolCallOut):
+        text, item.input = item.input, ""
+        return [OutputItemAdded(output_index=index, item=item),
+                CustomToolCallInputDelta(item_id=item.id, output_index=index, delta=text)]
     if isinstance(item, MessageOut):
         item.content = []
         part: Any = OutputText(text="")
@@ -446,6 +446,10 @@ def _item_start(index: int, item: OutputItem, block: Block) -> list[Any]:
 
 def _item_stop(index: int, item: OutputItem, block: Block) -> list[Any]:
     item.status = "completed"
+    if isinstance(item, CustomToolCallOut):
+        item.input = custom_input(block.call.arguments)
+        return [CustomToolCallInputDone(item_id=item.id, output_index=index, input=item.input),
+                OutputItemDone(output_index=index, item=item)]
     if isinstance(item, FunctionCallOut):
         item.arguments = block.call.arguments
         return [FunctionCallArgumentsDone(item_id=item.id, output_index=index, name=item.name,
@@ -464,10 +468,11 @@ def _item_stop(index: int, item: OutputItem, block: Block) -> list[Any]:
 
 
 def responses_request(req: ResponsesRequest, prompt: list[dict[str, Any]], model: str,
-                      defaults: Mapping[str, Any]) -> RtRequest:
+                      defaults: Mapping[str, Any], tools: ToolSet | None = None) -> RtRequest:
     """The runtime's `Request` for a Responses request whose conversation is `prompt` (instructions
-    and stored history included); `defaults`: the model's default sampling."""
-    params = {**sampling_params(req), **chat_params(req)}
+    and stored history included); `defaults`: the model's default sampling; `tools`: its tools as the
+    model sees them (`responses_tools`)."""
+    params = {**sampling_params(req), **chat_params(req, tools)}
     return RtRequest.build(prompt, params, defaults={**API_DEFAULTS, **defaults}, model=model)
 
 
@@ -478,22 +483,25 @@ class ResponsesApi:
 
     async def create(self, request: Request) -> HttpResponse | EventStream:
         t0 = time.perf_counter()
-        req: ResponsesRequest = await self.svc.read(request, _decoder)
+        ignored: list[str] = []
+        req: ResponsesRequest = await self.svc.read(request, _decoder, ignored=ignored)
         model = self.svc.model(req.model)
         history = self._previous(req.previous_response_id)
-        history = [*history, *input_messages(req.input, history)]
+        history = [*history, *input_messages(req.input, history, ignored)]
         if not history:
             raise HttpError(400, "input: no messages to respond to", param="input")
         prompt = [{"role": "system", "content": req.instructions}] if req.instructions else []
         prompt += history
+        tools = ToolSet(req.tools, ignored)
+        log_ignored(request, ignored, tools.dropped)
         defaults = self.svc.sampling_defaults(model)
-        rt_req = self.svc.build(NAMES, responses_request, req, prompt, model, defaults)
+        rt_req = self.svc.build(NAMES, responses_request, req, prompt, model, defaults, tools)
         gen = await self.svc.start(request, "/v1/responses", rt_req, NAMES, t0)
-        turn = Turn(req, history, self.store)
+        turn = Turn(req, history, self.store, [f"ignored: {d}" for d in tools.dropped])
         if req.stream:
-            return EventStream(response_events(gen, turn), headers=SSE_HEADERS, on_close=gen.on_close)
+            return EventStream(response_events(gen, turn, tools), headers=SSE_HEADERS, on_close=gen.on_close)
         chunks = await gen.all_chunks(request.receive)
-        output = [output_item(b) for b in collect(chunks)]
+        output = [output_item(b, tools=tools) for b in collect(chunks)]
         return json_response(turn.finish(gen, output, reasoning_tokens(chunks)))
 
     def _previous(self, rid: str | None) -> list[dict[str, Any]]:

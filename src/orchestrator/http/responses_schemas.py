@@ -1,35 +1,37 @@
 """OpenAI Responses bodies as msgspec Structs: requests decoded strictly, responses and events encoded fast.
 
-A request's top level refuses unknown fields, as the rest of the OpenAI API
-here does. ``input`` items are decoded one by one (`responses.input_messages`)
-by their ``type`` (a message may leave it out), so an unknown type is a 400
-naming ``input[i].type``; within an item, fields mlxrt does not use
-(``id``, ``status``, ``annotations``, ...) are ignored: clients send back the
-items they received.
+Request Structs derive from `Strict`: a field they do not declare is dropped
+and named in the server's log, never a 400 (`body.decode`). ``input`` items
+and ``tools`` are decoded one by one (`responses.input_messages`,
+`responses_tools.ToolSet`) by their ``type`` (a message may leave it out), so
+an unknown item type is a 400 naming ``input[i].type`` and a tool type this
+server cannot run is left out with a warning. Fields clients send back with
+the items they received (``id``, ``status``, ``annotations``,
+``encrypted_content``, ...) are declared and ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from msgspec import Struct
+from msgspec import UNSET, Struct, UnsetType
 
 from .schemas import Float, Int, Strict
 
 # ---- input items ---------------------------------------------------------------------
 
 
-class InputText(Struct, tag="input_text", tag_field="type"):
+class InputText(Strict, tag="input_text", tag_field="type"):
     text: str
 
 
-class OutputText(Struct, tag="output_text", tag_field="type", kw_only=True):
+class OutputText(Strict, tag="output_text", tag_field="type", kw_only=True):
     text: str
     annotations: list[Any] = []
     logprobs: list[Any] = []
 
 
-class Refusal(Struct, tag="refusal", tag_field="type"):
+class Refusal(Strict, tag="refusal", tag_field="type"):
     refusal: str
 
 
@@ -48,36 +50,66 @@ class InputAudio(Struct, tag="input_audio", tag_field="type"):
 Content = InputText | OutputText | Refusal | InputImage | InputFile | InputAudio
 
 
-class MessageItem(Struct, kw_only=True):
+class Item(Strict, kw_only=True):
+    """Fields every input item may carry back: the id and status it was returned with."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(Item, kw_only=True):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Content]
+    phase: Any = None  # Codex's, on assistant messages: no effect
 
 
-class FunctionCallItem(Struct, kw_only=True):
+class FunctionCallItem(Item, kw_only=True):
     call_id: str
     name: str
     arguments: str
+    #: The namespace of a namespaced function (`responses_tools`): the call's name is ``namespace__name``.
+    namespace: str | None = None
 
 
-class FunctionCallOutputItem(Struct, kw_only=True):
+class FunctionCallOutputItem(Item, kw_only=True):
     call_id: str
     output: str | list[Content]
 
 
-class ReasoningText(Struct, tag="reasoning_text", tag_field="type"):
+class CustomToolCallItem(Item, kw_only=True):
+    """A call of a ``custom`` (free-form) tool: its `input` is text."""
+
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+class CustomToolCallOutputItem(Item, kw_only=True):
+    call_id: str
+    output: str | list[Content]
+
+
+class ReasoningText(Strict, tag="reasoning_text", tag_field="type"):
     text: str
 
 
-class SummaryText(Struct, tag="summary_text", tag_field="type"):
+class SummaryText(Strict, tag="summary_text", tag_field="type"):
     text: str
 
 
-class ReasoningItem(Struct, kw_only=True):
+class ReasoningItem(Item, kw_only=True):
     """Reasoning sent back: its text (``content``, else its ``summary``) goes back to the template
     with the assistant turn that follows; ``encrypted_content`` means nothing here."""
 
     summary: list[SummaryText] = []
     content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+
+class HostedCallItem(Struct):
+    """A call of a hosted tool (``web_search_call``, ...) a client replays: this server ran none, and
+    it is left out of the prompt."""
 
 
 #: Input items by ``type``; a message may leave ``type`` out.
@@ -85,7 +117,12 @@ ITEM_TYPES: dict[str, type] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "custom_tool_call": CustomToolCallItem,
+    "custom_tool_call_output": CustomToolCallOutputItem,
     "reasoning": ReasoningItem,
+    **{t: HostedCallItem for t in ("web_search_call", "file_search_call", "code_interpreter_call",
+                                   "image_generation_call", "mcp_call", "mcp_list_tools", "local_shell_call",
+                                   "tool_search_call", "tool_search_output")},
 }
 
 
@@ -129,11 +166,41 @@ class FunctionTool(Strict, kw_only=True, omit_defaults=True):
     parameters: dict[str, Any] | None = None
     description: str | None = None
     strict: bool | None = None
+    defer_loading: bool | None = None  #: accepted, no effect: every tool is in the prompt
 
 
-class ToolChoiceFunction(Strict, kw_only=True):
-    type: Literal["function"]
+class CustomFormat(Strict, kw_only=True):
+    """A custom tool's input: free text, or text a grammar (Lark or a regex) describes."""
+
+    type: Literal["text", "grammar"] = "text"
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+
+class CustomTool(Strict, kw_only=True):
+    """A free-form tool: the model writes its input as text (Codex's ``apply_patch``)."""
+
+    type: Literal["custom"]
     name: str
+    description: str | None = None
+    format: CustomFormat | None = None
+    defer_loading: bool | None = None
+
+
+class NamespaceTool(Strict, kw_only=True):
+    """A group of tools (Codex's MCP servers and agent tools): functions and custom tools the model
+    sees as ``namespace__name``, returned as ``name`` with ``namespace``."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str = ""
+    tools: list[dict[str, Any]]
+
+
+class ToolChoiceFunction(Strict, kw_only=True, omit_defaults=True):
+    type: Literal["function", "custom"]
+    name: str
+    namespace: str | None = None  #: a namespaced tool's (or name it ``namespace__name``)
 
 
 class ResponsesRequest(Strict, kw_only=True):
@@ -146,12 +213,15 @@ class ResponsesRequest(Strict, kw_only=True):
     top_p: Float | None = None
     stream: bool = False
     store: bool = True
-    tools: list[FunctionTool] | None = None
+    #: Decoded one by one (`responses_tools.ToolSet`): function, namespace and custom tools; hosted
+    #: tools (web_search, ...) are left out, with a warning.
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None  #: accepted, no effect (as for chat completions)
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     # Accepted, no effect here.
+    client_metadata: dict[str, Any] | None = None  # Codex's (trace context)
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -188,9 +258,19 @@ class FunctionCallOut(Struct, tag="function_call", tag_field="type", kw_only=Tru
     name: str
     arguments: str
     status: str = "completed"
+    namespace: str | UnsetType = UNSET  #: a namespaced function's namespace; `name` is its own name
 
 
-OutputItem = ReasoningOut | MessageOut | FunctionCallOut
+class CustomToolCallOut(Struct, tag="custom_tool_call", tag_field="type", kw_only=True):
+    id: str
+    call_id: str
+    name: str
+    input: str
+    status: str = "completed"
+    namespace: str | UnsetType = UNSET
+
+
+OutputItem = ReasoningOut | MessageOut | FunctionCallOut | CustomToolCallOut
 
 
 class InputTokensDetails(Struct):
@@ -233,7 +313,7 @@ class Response(Struct, kw_only=True):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[FunctionTool] = []
+    tools: list[dict[str, Any]] = []  #: as the request sent them
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -242,6 +322,8 @@ class Response(Struct, kw_only=True):
     metadata: dict[str, str] = {}
     truncation: str = "disabled"
     user: str | None = None
+    #: What the server ignored or left out of the request (hosted tools it cannot run); an extension.
+    warnings: list[str] | UnsetType = UNSET
 
 
 class Deleted(Struct, kw_only=True):
@@ -343,3 +425,15 @@ class FunctionCallArgumentsDone(Event, tag="response.function_call_arguments.don
     name: str
     arguments: str
 
+
+
+class CustomToolCallInputDelta(Event, tag="response.custom_tool_call_input.delta", kw_only=True):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomToolCallInputDone(Event, tag="response.custom_tool_call_input.done", kw_only=True):
+    item_id: str
+    output_index: int
+    input: str

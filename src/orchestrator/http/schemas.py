@@ -1,7 +1,9 @@
 """Request and response bodies of both APIs, as msgspec Structs: decoded strictly, encoded fast.
 
-Requests forbid unknown fields (OpenAI's own API rejects unrecognised
-arguments, so a misspelt `temprature` is a 400 here, not a silent default).
+Request Structs derive from `Strict`: a field they do not declare fails
+msgspec's fast decode, and `body.decode` then drops it and the server names it
+in its log (vLLM's rule: a client's new field never breaks a request, and a
+misspelt `temprature` shows in the log). Declared fields are checked strictly.
 Numbers are bounded at decode time so nothing non-finite or wider than 64
 bits reaches the worker. Responses use ``UNSET`` for fields that appear only
 sometimes (the ``token_ids`` extension, Ollama's final-chunk timings).
@@ -23,7 +25,8 @@ TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 
 class Strict(Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of every request body."""
+    """Base of every request Struct, nested ones too: unknown fields are dropped and logged
+    (`body.decode`), never decoded silently."""
 
 
 # ---- OpenAI requests --------------------------------------------------------
@@ -33,7 +36,7 @@ class StreamOptions(Strict, kw_only=True):
     include_usage: bool = False
 
 
-class ContentPart(Struct, kw_only=True):
+class ContentPart(Strict, kw_only=True):
     """One part of a message's content; only ``{"type": "text"}`` parts are served."""
 
     type: str

@@ -40,6 +40,9 @@ T = TypeVar("T")
 
 #: "Until the context is full": the worker clamps max_tokens to context minus prompt.
 UNLIMITED_TOKENS = 1 << 30
+#: Most tokens generated for a request that sets no limit (and a model served without --max-tokens):
+#: mlx_lm.server's default. A client that sends none (Codex) must not run to the end of a long context.
+DEFAULT_MAX_TOKENS = 512
 JSON = "application/json"
 
 
@@ -196,7 +199,7 @@ class Generation:
             self.finish("disconnected")
             raise
         except MlxrtError as exc:
-            self.finish("error")
+            self.finish("error", str(exc))
             raise from_runtime_error(exc, names) from exc
 
     async def chunks(self) -> AsyncIterator[Chunk]:
@@ -216,8 +219,9 @@ class Generation:
         """`EventStream`'s end: disconnected, failed (no stats), or finished as the worker said."""
         self.finish("disconnected" if gone else (self.finish_reason if self.stream.stats else "error"))
 
-    def finish(self, reason: str) -> None:
-        """Close the stream (a no-op once it ended) and record the outcome; idempotent."""
+    def finish(self, reason: str, error: str = "") -> None:
+        """Close the stream (a no-op once it ended) and record the outcome, with the `error` that ended
+        it if one did; idempotent."""
         if self._finished:
             return
         self._finished = True
@@ -239,10 +243,12 @@ class Generation:
         worker = {} if stats is None else {  # the worker's share of the TTFT: waiting, then prefill
             "worker_queue_ms": round(stats.queue_ms, 2),
             "worker_ttft_ms": round(stats.ttft_ms, 2),
-            "cached_tokens": stats.cached_tokens,
         }
+        if error:
+            worker["error"] = error
         log.info("http.generation", endpoint=self.endpoint, model=self.model, reason=reason,
-                 prompt_tokens=self.prompt_tokens, tokens=self.tokens,
+                 prompt_tokens=self.prompt_tokens, cached_tokens=stats.cached_tokens if stats else 0,
+                 tokens=self.tokens,
                  ttft_ms=round(self.ttft_s * 1e3, 2),
                  total_ms=round((time.perf_counter() - self.t0) * 1e3, 2), **worker)
 
@@ -300,9 +306,18 @@ class Service:
         name = requested if requested in served else self.aliases.get(requested)
         return name if name in served else None
 
-    async def read(self, request: Request, decoder: msgspec.json.Decoder, prefix: str = "") -> Any:
-        """Read the body (at most `max_body_bytes`, else 413) and decode it strictly (else 400)."""
-        return decode(await read_body(request, self.config.max_body_bytes), decoder, prefix)
+    async def read(self, request: Request, decoder: msgspec.json.Decoder, prefix: str = "",
+                   ignored: list[str] | None = None) -> Any:
+        """Read the body (at most `max_body_bytes`, else 413) and decode it (a bad value: 400).
+
+        Fields the schema does not declare are dropped and named in one log line; a caller that
+        finds more to ignore passes `ignored`, gets them appended, and logs them (`log_ignored`).
+        """
+        found: list[str] = [] if ignored is None else ignored
+        value = decode(await read_body(request, self.config.max_body_bytes), decoder, prefix, found)
+        if ignored is None:
+            log_ignored(request, found)
+        return value
 
     def build(self, names: Mapping[str, str], to_request: Callable[..., RtRequest], *args: Any) -> RtRequest:
         """``to_request(*args)``, an API's request as the runtime's; an `InvalidField` is a 400 naming the
@@ -347,6 +362,15 @@ async def _first(stream: AsyncStream) -> Chunk | None:
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
+
+
+def log_ignored(request: Request, fields: list[str], dropped: list[str] | None = None) -> None:
+    """One line naming the request fields the server ignored (and what it `dropped`, e.g. hosted tools
+    it cannot run: a warning), if any."""
+    if dropped:
+        log.warning("http.ignored", path=request.url.path, fields=fields, dropped=dropped)
+    elif fields:
+        log.info("http.ignored_fields", path=request.url.path, fields=fields)
 
 
 def path_aliases(model_refs: Mapping[str, str]) -> dict[str, str]:
