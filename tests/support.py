@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -193,6 +194,13 @@ class ServerThread:
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,9 +23,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import assert_stopped
-from test_http import ServerThread, _free_port
-from test_tools_http import SCRIPTED
+from support import SCRIPTED, ServerThread, assert_stopped, free_port
 
 QWEN3 = "synthetic:tiny-qwen3?context=8192"  # room for the agents' tool lists
 LIST_CALL = {"name": "mcp__fs__list", "arguments": {"path": "."}}
@@ -330,7 +328,7 @@ def test_no_output_limit_gets_the_default_not_the_context(http):
 def serve_logged(model: str, log_path, env: dict[str, str] | None = None):
     """`mlxrt serve --log-level info` on `model` (named tiny); its URL and a function returning the
     JSON log lines written so far."""
-    port = _free_port()
+    port = free_port()
     with open(log_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "--log-level", "info", "serve", "--model",
                                  f"tiny={model}", "--port", str(port), "--transport", "stdio"],

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from mlxrt import Timeouts
 from mlxrt.orchestrator.http import ServerConfig
 from mlxrt.orchestrator.http.ollama import parse_keep_alive
 from mlxrt.orchestrator.http.server import parse_model_specs
-from support import NO_RESTART, ServerThread, assert_stopped, metric, native_tokens, sse_events
+from support import NO_RESTART, ServerThread, assert_stopped, free_port, metric, native_tokens, sse_events
 
 PROMPT_IDS = [5, 17, 42, 99, 3, 250]
 CHAT = [{"role": "user", "content": "Tell me about the weather."}]
@@ -383,17 +382,11 @@ def test_worker_timeout_is_504(tiny_model, monkeypatch):
 # ---- the CLI ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_cli_serve_runs_and_stops_cleanly(tiny_model):
     """`mlxrt serve --spares 1` serves the Ollama client with a spare standing by (shown in /health,
     not counted ready), answers to the model's path on both APIs, then stops itself and both workers
     on SIGTERM."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "serve", "--model", f"tiny={tiny_model}",
                              "--port", str(port), "--transport", "stdio", "--spares", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
