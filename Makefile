@@ -1,4 +1,5 @@
-# make test: create .venv, install mlxrt with its test extras, run the tests.
+# make test: create .venv, install mlxrt with its test extras and the pinned coding-agent CLIs (npm,
+# cached under ~/.cache/mlxrt/agent-clis; tests/agent_clis.py), run the tests.
 # make bench: the same set-up, then the benchmark on the built-in synthetic default.
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ endif
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: venv test bench soak lint clean
+.PHONY: venv agent-clis test bench soak lint clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +24,12 @@ $(STAMP): pyproject.toml setup.py
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# Claude Code, Codex CLI and OpenCode at pinned versions, for tests/test_agent_clis.py; a failed install
+# fails here (a missing npm too, where CI is set).
+agent-clis: $(STAMP)
+	$(PY) tests/agent_clis.py
+
+test: $(STAMP) agent-clis
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
