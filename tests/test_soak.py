@@ -264,12 +264,16 @@ def test_soak_smoke_writes_sane_series(tiny_model, tmp_path):
     assert len(rows) == s.samples >= 10
     tokens = [int(r["tokens_total"]) for r in rows]
     assert tokens == sorted(tokens) and tokens[-1] == s.tokens_total > 0
+    prev_t, prev_tokens = 0.0, 0  # each sample's tok_s covers the tokens since the one before (or the start)
     for r in rows:
+        t, tokens_now = float(r["t_s"]), int(r["tokens_total"])
+        rate = (tokens_now - prev_tokens) / (t - prev_t)
+        assert float(r["tok_s"]) == pytest.approx(rate, rel=0.01, abs=0.01)
+        prev_t, prev_tokens = t, tokens_now
         assert int(r["rss_total_bytes"]) == int(r["rss_orchestrator_bytes"]) + int(r["rss_workers_bytes"])
         assert int(r["rss_workers_bytes"]) > 0
         assert r["memory_level"] in ("normal", "warning", "critical", "unavailable")
         assert r["thermal_level"] in ("nominal", "fair", "serious", "critical", "unavailable")
-        assert float(r["tok_s"]) >= 0
         assert int(r["mlx_active_bytes"]) > 0
     assert any(r["ttft_ms_p50"] for r in rows)
 
