@@ -29,8 +29,10 @@ venv: $(STAMP)
 agent-clis: $(STAMP)
 	$(PY) tests/agent_clis.py
 
+# Two pytest processes, a test file each at a time (its module fixtures load once); TEST_WORKERS=0 runs in one.
+TEST_WORKERS ?= 2
 test: $(STAMP) agent-clis
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)

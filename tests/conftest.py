@@ -75,7 +75,8 @@ def no_leaks():
     """Every test must leave no process it started and no shared-memory segment behind.
 
     Processes of module- and session-scoped fixtures (started before the test) are checked
-    when their own fixture closes them, by `assert_stopped`.
+    when their own fixture closes them, by `assert_stopped`. Under pytest-xdist (make test) each
+    pytest process checks its own children and the segments it created.
     """
     before = set(glob.glob(SHM_GLOB))
     kids_before = child_pids()

@@ -99,6 +99,7 @@ def test_ollama_client_generate_stream_and_timings(oll):
     assert final.done_reason in ("length", "stop")
     assert final.prompt_eval_count > 0 and final.eval_count <= 12
     assert final.total_duration >= final.prompt_eval_duration > 0 and final.eval_duration >= 0
+    assert (final.eval_duration > 0) == (final.eval_count > 1)  # decode time runs from the first token
     assert final.load_duration == 0
     whole = oll.generate(model="tiny:latest", prompt="Why is the sky blue?", options=opts, stream=False)
     assert whole.response == "".join(p.response for p in parts)
@@ -174,7 +175,9 @@ def _exercise_keep_alive(srv, http) -> None:
 
 def test_health_and_metrics(http):
     """/health is 200 with each worker's state; /metrics has request, token, latency and worker series."""
-    http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    before = metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200")
+    done = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+    assert done.status_code == 200
     h = http.get("/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     (w,) = h.json()["models"]["tiny"]["workers"]
@@ -184,7 +187,7 @@ def test_health_and_metrics(http):
                    "mlxrt_time_to_first_token_seconds_bucket", "mlxrt_decode_tokens_per_second_bucket",
                    'mlxrt_workers{model="tiny",state="ready"} 1.0', "mlxrt_worker_restarts_total"):
         assert series in text
-    assert metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200") == before + 1
 
 
 def test_cached_tokens_in_usage_and_metrics(oai, http):
@@ -216,7 +219,8 @@ def test_api_key_is_required_when_configured(srv):
                                                             "'x-api-key: <key>')"}
     assert httpx.get(url + "/health").status_code == 200
     with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0) as client:
-        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+        ok = client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        assert ok.choices[0].finish_reason in ("length", "stop") and 1 <= ok.usage.completion_tokens <= 2
     with openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError):
             client.models.list()

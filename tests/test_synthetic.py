@@ -285,7 +285,7 @@ def test_qwen05b_4bit_loads_quantized_and_decodes(tmp_path):
     assert len(tokenizer) == PRESETS["qwen2.5-0.5b-4bit"].vocab_size
     logits = model(mx.array([tokenizer.encode("Hi")]))[0, -1]
     assert bool(mx.isfinite(logits).all())
-    assert tokenizer.decode([int(logits.argmax())]) is not None
+    assert logits.shape == (cfg["vocab_size"],) and cfg["vocab_size"] >= len(tokenizer)  # a score per token
 
 
 @pytest.mark.parametrize("name", sorted(TINY_FAMILIES))
