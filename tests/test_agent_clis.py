@@ -168,9 +168,7 @@ def check_round_trip(name: str, exchanges: list[Exchange], printed: str) -> None
 
 
 def test_claude_code_round_trip(clis, session):
-    """Claude Code (``claude -p``, ANTHROPIC_BASE_URL, a model name of our own): its Bash tool called,
-    run, its output sent back, the answer printed; every /v1/messages request a 2xx, the follow-up
-    cached."""
+    """Claude Code (claude -p, ANTHROPIC_* env, model qwen3) completes a Bash round trip, all 2xx, cached."""
     proxy, work, home = session
     (work / CASES["claude"][1]).write_text("hello\n")
     env = {"HOME": home, "ANTHROPIC_BASE_URL": proxy.url, "ANTHROPIC_AUTH_TOKEN": "local-key",
@@ -187,9 +185,7 @@ def test_claude_code_round_trip(clis, session):
 
 
 def test_codex_round_trip(clis, session):
-    """Codex CLI (``codex exec``, a ``wire_api = "responses"`` provider in CODEX_HOME/config.toml):
-    exec_command called, run, its output sent back, the answer printed; every /v1/responses request
-    a 2xx, the follow-up cached."""
+    """Codex CLI (codex exec, a responses provider in config.toml) completes an exec_command round trip."""
     proxy, work, home = session
     (work / CASES["codex"][1]).write_text("hello\n")
     codex_home = home / ".codex"
@@ -236,9 +232,7 @@ stream_idle_timeout_ms = {int(CLI_TIMEOUT_S * 1000)}
 
 
 def test_opencode_round_trip(clis, session):
-    """OpenCode (``opencode run``, an @ai-sdk/openai-compatible provider in opencode.json): its bash
-    tool called, run, its output sent back, the answer printed; every /v1/chat/completions request a
-    2xx, the follow-up cached."""
+    """OpenCode (opencode run, an openai-compatible provider) completes a bash round trip, all 2xx, cached."""
     proxy, work, home = session
     (work / CASES["opencode"][1]).write_text("hello\n")
     config = home / "opencode.json"
