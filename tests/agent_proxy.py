@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -98,13 +99,12 @@ class RecordingProxy:
                                                      lifespan="off", access_log=False))
         self._thread = threading.Thread(target=self._server.run, name="recording-proxy", daemon=True)
         self._thread.start()
-        loop_deadline = threading.Event()
-        for _ in range(int(START_TIMEOUT_S * 20)):
-            if self._server.started:
-                break
-            loop_deadline.wait(0.05)
-        else:
-            raise RuntimeError(f"recording proxy did not start within {START_TIMEOUT_S} s (START_TIMEOUT_S)")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"recording proxy did not start within {START_TIMEOUT_S:g} s "
+                                   "(agent_proxy.START_TIMEOUT_S)")
+            time.sleep(0.05)
         (sock,) = self._server.servers[0].sockets
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
 

@@ -38,6 +38,9 @@ SERVER_START_TIMEOUT_S = float(os.environ.get("MLXRT_AGENT_SERVER_TIMEOUT_S", 18
 # Small system prompts and tool sets, as docs/http.md shows for small models: the CLIs' defaults
 # (13k-41k tokens) take minutes to prefill on a shared CPU.
 SYSTEM = "You are a coding agent. Use the shell tool to look at files."
+# Set: each CLI with its own full prompt and tools instead (13k-41k tokens; for capturing agent-sized
+# sessions for benchmarks/agent_replay.py, with a larger MLXRT_AGENT_CLI_TIMEOUT_S).
+FULL_PROMPTS = bool(os.environ.get("MLXRT_AGENT_FULL_PROMPTS"))
 
 # Per CLI: the task (the marker of the first turn), the file it will find, the call in its tool's
 # shape, and the answer. Answers come first: the follow-up prompt holds the task too.
@@ -168,16 +171,15 @@ def check_round_trip(name: str, exchanges: list[Exchange], printed: str) -> None
 
 
 def test_claude_code_round_trip(clis, session):
-    """Claude Code (``claude -p``, ANTHROPIC_BASE_URL, a model name of our own): its Bash tool called,
-    run, its output sent back, the answer printed; every /v1/messages request a 2xx, the follow-up
-    cached."""
+    """Claude Code (claude -p, ANTHROPIC_* env, model qwen3) completes a Bash round trip, all 2xx, cached."""
     proxy, work, home = session
     (work / CASES["claude"][1]).write_text("hello\n")
     env = {"HOME": home, "ANTHROPIC_BASE_URL": proxy.url, "ANTHROPIC_AUTH_TOKEN": "local-key",
            "ANTHROPIC_MODEL": SERVED, "ANTHROPIC_DEFAULT_HAIKU_MODEL": SERVED,
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "API_TIMEOUT_MS": str(int(CLI_TIMEOUT_S * 1000))}
+    smaller = [] if FULL_PROMPTS else ["--tools", "Bash", "--system-prompt", SYSTEM]
     done = run_cli([clis["claude"], "-p", CASES["claude"][0], "--output-format", "json",
-                    "--tools", "Bash", "--allowedTools", "Bash", "--system-prompt", SYSTEM],
+                    "--allowedTools", "Bash", *smaller],
                    cwd=work, env={k: str(v) for k, v in env.items()}, proxy=proxy)
     assert done.returncode == 0, (done.stdout, done.stderr)
     result = json.loads(done.stdout)
@@ -187,9 +189,7 @@ def test_claude_code_round_trip(clis, session):
 
 
 def test_codex_round_trip(clis, session):
-    """Codex CLI (``codex exec``, a ``wire_api = "responses"`` provider in CODEX_HOME/config.toml):
-    exec_command called, run, its output sent back, the answer printed; every /v1/responses request
-    a 2xx, the follow-up cached."""
+    """Codex CLI (codex exec, a responses provider in config.toml) completes an exec_command round trip."""
     proxy, work, home = session
     (work / CASES["codex"][1]).write_text("hello\n")
     codex_home = home / ".codex"
@@ -209,12 +209,9 @@ def test_codex_round_trip(clis, session):
 
 
 def codex_config(base_url: str, instructions: Path) -> str:
-    """CODEX_HOME/config.toml as docs/http.md gives it, with its small-model settings."""
-    return f"""model = "{SERVED}"
-model_provider = "mlxrt"
-model_instructions_file = "{instructions}"
+    """CODEX_HOME/config.toml as docs/http.md gives it, with its smaller-prompt settings."""
+    smaller = "" if FULL_PROMPTS else f"""model_instructions_file = "{instructions}"
 web_search = "disabled"
-check_for_update_on_startup = false
 
 [features]
 goals = false
@@ -223,7 +220,11 @@ plugins = false
 
 [agents]
 enabled = false
-
+"""
+    return f"""model = "{SERVED}"
+model_provider = "mlxrt"
+check_for_update_on_startup = false
+{smaller}
 [analytics]
 enabled = false
 
@@ -236,9 +237,7 @@ stream_idle_timeout_ms = {int(CLI_TIMEOUT_S * 1000)}
 
 
 def test_opencode_round_trip(clis, session):
-    """OpenCode (``opencode run``, an @ai-sdk/openai-compatible provider in opencode.json): its bash
-    tool called, run, its output sent back, the answer printed; every /v1/chat/completions request a
-    2xx, the follow-up cached."""
+    """OpenCode (opencode run, an openai-compatible provider) completes a bash round trip, all 2xx, cached."""
     proxy, work, home = session
     (work / CASES["opencode"][1]).write_text("hello\n")
     config = home / "opencode.json"
@@ -257,8 +256,10 @@ def test_opencode_round_trip(clis, session):
 
 
 def opencode_config(base_url: str) -> dict:
-    """opencode.json as docs/http.md gives it, with its small-model agent settings."""
+    """opencode.json as docs/http.md gives it, with its smaller-prompt agent settings."""
     off = ["edit", "write", "glob", "grep", "read", "task", "todowrite", "webfetch", "skill"]
+    build = {"prompt": SYSTEM, "tools": dict.fromkeys(off, False)}
+    smaller = {} if FULL_PROMPTS else {"agent": {"build": build}}
     return {
         "$schema": "https://opencode.ai/config.json",
         "provider": {"mlxrt": {"npm": "@ai-sdk/openai-compatible", "name": "mlxrt",
@@ -268,6 +269,6 @@ def opencode_config(base_url: str) -> dict:
         "small_model": f"mlxrt/{SERVED}",
         "autoupdate": False,
         "share": "disabled",
-        "agent": {"build": {"prompt": SYSTEM, "tools": dict.fromkeys(off, False)}},
+        **smaller,
     }
 

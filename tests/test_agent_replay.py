@@ -16,8 +16,7 @@ from benchmarks.agent_replay import CHAT, SALT_AT, Turn, conversation_head, figu
 
 
 def test_fixtures_hold_each_cli_round_trip():
-    """Each captured session (Claude Code, Codex, OpenCode) was all 2xx, asks the task once per session
-    copy's salt point, and continues its conversation with the tool result in a later request."""
+    """Each captured CLI session was all 2xx, on its CLI's API, holds the salt point and continues a turn."""
     raw = {f.stem: json.loads(f.read_text()) for f in sorted(agent_replay.FIXTURES.glob("*.json"))}
     assert sorted(raw) == ["claude-code", "codex", "opencode"]
     paths = {"claude-code": "/v1/messages", "codex": "/v1/responses", "opencode": CHAT}
@@ -31,8 +30,7 @@ def test_fixtures_hold_each_cli_round_trip():
 
 
 def test_prepared_gives_each_session_its_own_task_and_a_bounded_reply():
-    """Two sessions' bodies differ only after the task text; model, greedy, stream and the output limit
-    are set in each API's field; ignore_eos only for mlxrt."""
+    """Sessions differ only after the task; model, greedy, output limit set; ignore_eos for mlxrt only."""
     (req, *_), = [agent_replay.load_sessions()["codex"]]
     a = prepared(req["body"], req["path"], model="m", salt="session 0", reply_tokens=7, mlxrt=True)
     b = prepared(req["body"], req["path"], model="m", salt="session 1", reply_tokens=7, mlxrt=False)
@@ -48,8 +46,7 @@ def test_prepared_gives_each_session_its_own_task_and_a_bounded_reply():
 
 
 def test_hit_rate_counts_only_continued_conversations():
-    """A session's first request of each conversation is left out of the hit rate; tok/s is every output
-    token of a round over its wall time."""
+    """Each conversation's first request is out of the hit rate; tok/s is a round's output over its wall."""
     def turn(index, later, prompt, cached, out=4):
         return Turn(cli="c", server="s", round=0, session=0, index=index, later=later, status=200,
                     ttft_ms=1.0, total_s=1.0, prompt_tokens=prompt, cached_tokens=cached, output_tokens=out)
