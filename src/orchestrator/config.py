@@ -140,7 +140,8 @@ def engine_from_env() -> EngineOptions:
     MLXRT_DECODE_CONCURRENCY, MLXRT_PROMPT_CONCURRENCY, MLXRT_PREFILL_STEP_SIZE,
     MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off), MLXRT_SINGLE_STREAM (0: a lone request
     goes through the batch too), MLXRT_EMBED_BATCH_TOKENS (an embedding model's padded tokens per pass),
-    MLXRT_GATHER_MS (how long new requests are held back after a wave of replies, 0: not at all).
+    MLXRT_GATHER_MS (how long new requests are held back after a wave of replies, 0: not at all),
+    MLXRT_PREFILL_BUDGET_MS (prefill time between two decode steps, 0: mlx-lm's own prefill).
     """
     b = EngineOptions()
     return EngineOptions(
@@ -151,4 +152,5 @@ def engine_from_env() -> EngineOptions:
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
         embed_batch_tokens=_env_int("MLXRT_EMBED_BATCH_TOKENS", b.embed_batch_tokens),
         gather_ms=_env_int("MLXRT_GATHER_MS", b.gather_ms),
+        prefill_budget_ms=_env_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),
     ).validate()
