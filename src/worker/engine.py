@@ -6,10 +6,10 @@ run one in-process, which is also the native baseline.
 
 ::
 
-    submit(req) -> tokenize, check -> waiting -> admit (room in the batch) -> mlx-lm BatchGenerator
-                   (fails alone)                  prefix cache: the longest       step(): one decode step
-    cancel(id) ------------------------------>    cached prefix is served,        for every running seq,
-                                                  the rest prefilled in segments a prefill chunk for new ones
+    submit(req) -> tokenize, check -> waiting -> admit (room in the batch) -> prefill.py  -> BatchGenerator
+                   (fails alone)                  prefix cache: the longest      step(): chunks   then one
+    cancel(id) ------------------------------>    cached prefix is served,       for ~the budget, decode step
+                                                  the rest prefilled in segments shortest first   for each seq
                                                                                        |
                          listener.started / token / done / failed  <-------------------+
 
@@ -222,6 +222,8 @@ class Engine:
         #: ranks must step alike (a chunk sized by each rank's own clock would differ between them).
         self._prefills: list[Prefill] = []
         self._admitted = 0
+        #: Prompt tokens prefilled outside the batch (the scheduler's chunks and the fast path's).
+        self.prefill_tokens = 0
         self.scheduled = o.prefill_budget_ms > 0 and group is None
         self.sizer = ChunkSizer(o.prefill_budget_ms if self.scheduled else 0, self.prefill.solo)
         self.load_s = time.perf_counter() - t0
@@ -689,6 +691,7 @@ class Engine:
                 self._failed(p.seq, error)
                 continue
             self.sizer.record(n, seconds)
+            self.prefill_tokens += n
             passed_over(self._prefills, p, seconds)
             spent += seconds
             if ended and p.segments:
@@ -809,8 +812,10 @@ class Engine:
         sized = self.scheduled and self.kv is None
         before, t0 = len(solo.tokens), time.perf_counter()
         boundary = solo.prefill(self.sizer.size() if sized else None)
-        seconds, n = time.perf_counter() - t0, len(solo.tokens) - before
-        if n > 1:  # a chunk ran (not only the first decode step queued)
+        # The prompt's last token, queued once the prompt is in, is the first decode step's input.
+        seconds, n = time.perf_counter() - t0, len(solo.tokens) - before - (not solo.prefilling)
+        if n > 0:
+            self.prefill_tokens += n
             solo.seq.prefill_s += seconds
             if sized:
                 self.sizer.record(n, seconds)
