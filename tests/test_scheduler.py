@@ -15,7 +15,7 @@ import pytest
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.orchestrator.config import engine_from_env
 from mlxrt.worker.engine import Engine
-from mlxrt.worker.prefill import MAX_SKIPS
+from mlxrt.worker.prefill import MAX_SKIPS, ChunkSizer
 
 STEP = 32
 SLOW_S = 0.005
@@ -221,6 +221,18 @@ def test_no_budget_keeps_mlx_lm_prefill_and_identity(tiny_model, alone):
     rec = Events()
     run(e, rec, {0: reqs[:1], 2: reqs[1:2], 4: reqs[2:]})
     assert rec.ids == {r.id: alone(r) for r in reqs}
+
+
+def test_chunks_follow_the_measured_rate_within_their_bounds():
+    """A chunk is the measured tokens/ms times the budget left, in multiples of 64, within
+    [32, prefill_step_size]; before any measure it is the floor; with no budget, the step size."""
+    sizer = ChunkSizer(200, 2048)
+    assert sizer.size() == 32
+    sizer.record(640, 0.2)  # 3.2 tokens/ms
+    assert sizer.size() == 640 and sizer.size(spent_ms=100) == 320 and sizer.size(spent_ms=199) == 32
+    sizer.record(20_000, 0.2)  # a faster machine: the average climbs, the step size caps it
+    assert sizer.size() == 2048
+    assert ChunkSizer(0, 2048).size() == 2048
 
 
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):

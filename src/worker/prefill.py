@@ -8,8 +8,9 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
 
 - **A time budget per step, not a token count.** Between two decode steps the prefill runs for
   about `prefill_budget_ms`; `ChunkSizer` measures the tokens per millisecond of the last chunks on
-  this machine and sizes the next chunk to the budget left, within [`MIN_CHUNK_TOKENS`,
-  `prefill_step_size`]. Every running sequence decodes one token between two steps' prefills.
+  this machine and sizes the next chunk to the budget left, in multiples of `CHUNK_MULTIPLE`, within
+  [`MIN_CHUNK_TOKENS`, `prefill_step_size`]. Every running sequence decodes one token between two
+  steps' prefills.
 - **Shortest remaining prefill first** (`pick`): a short prompt is prefilled ahead of the remaining
   chunks of a long one; a prompt passed over `MAX_SKIPS` chunks in a row goes next, so neither a
   flood of short prompts starves a long one nor a stream of long ones a short one, and long prompts
@@ -30,6 +31,9 @@ from .sequence import Sequence
 
 #: The smallest chunk the budget may ask for: below it, per-call overheads outweigh the work.
 MIN_CHUNK_TOKENS = 32
+#: Budget-sized chunks are a multiple of this many tokens: a few shapes rather than one per size (a GPU
+#: backend compiles kernels per shape; the matmuls' row tiles are 16-64 rows).
+CHUNK_MULTIPLE = 64
 #: Chunks a waiting prompt may be passed over in a row before it goes next (the age bound).
 MAX_SKIPS = 8
 #: Weight of the newest chunk in the measured rate (an exponential moving average).
@@ -111,7 +115,7 @@ class ChunkSizer:
         if self.rate is None:
             return self.floor
         want = int(self.rate * (self.budget_ms - spent_ms))
-        return max(self.floor, min(self.ceiling, want))
+        return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
 
     def record(self, tokens: int, seconds: float) -> None:
         """A chunk of `tokens` took `seconds` (its results evaluated)."""
