@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import TRANSPORTS
+from mlxrt import Runtime
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.orchestrator.config import engine_from_env
 from mlxrt.worker.engine import Engine
@@ -221,6 +223,14 @@ def test_no_budget_keeps_mlx_lm_prefill_and_identity(tiny_model, alone):
     rec = Events()
     run(e, rec, {0: reqs[:1], 2: reqs[1:2], 4: reqs[2:]})
     assert rec.ids == {r.id: alone(r) for r in reqs}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_figures_cross_the_wire(tiny_model, transport):
+    """A worker process reports each request's prefill_ms, prefill_wait_ms and longest_gap_ms."""
+    with Runtime(model=tiny_model, transport=transport, engine=EngineOptions(prompt_cache_bytes=0)) as rt:
+        c = rt.generate("The harbour was quiet that night and the boats " * 6, max_tokens=6, ignore_eos=True)
+    assert c.stats.prefill_ms > 0 and c.stats.longest_gap_ms > 0 and c.stats.prefill_wait_ms == 0
 
 
 def test_chunks_follow_the_measured_rate_within_their_bounds():

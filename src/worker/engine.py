@@ -23,8 +23,15 @@ is rebuilt, with MLX's random state reseeded.
 
 A lone request (nothing running, nothing else waiting) skips the batch: it is
 prefilled and decoded by `Solo` (`solo.py`), as `mlx_lm.generate_step` does,
-one chunk or one token per `step()`, and handed over to the batch, exactly
-where it is, when a second request arrives (`_hand_over`).
+one chunk or one token per `step()`, and handed over to the batch (mid-prompt:
+to the prefill scheduler), exactly where it is, when a second request arrives
+(`_hand_over`).
+
+Prefill (`prefill.py`): an admitted prompt is prefilled outside the batch on a
+cache of its own, in chunks sized to `prefill_budget_ms` on this machine,
+shortest remaining prompt first, and joins the batch at its last token; each
+`step()` runs about the budget of chunks, then one decode step for every
+running sequence.
 
 Prefix reuse: a finished sequence's cache is kept in `PrefixCache` under its
 tokens. Where every layer's cache can be trimmed (`KVCache`), a later prompt
