@@ -16,7 +16,7 @@ from conftest import TRANSPORTS
 from mlxrt import Runtime
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.orchestrator.config import engine_from_env
-from mlxrt.worker.engine import Engine
+from mlxrt.worker.engine import BatchStepError, Engine
 from mlxrt.worker.prefill import MAX_SKIPS, ChunkSizer
 
 STEP = 32
@@ -54,6 +54,20 @@ class Slow:
 
     def __getattr__(self, name):
         return getattr(self._model, name)
+
+
+class Failing(Slow):
+    """`Slow`, but a chunk of request `req_id` raises."""
+
+    def __init__(self, engine: Engine, model, events: list, req_id: int) -> None:
+        super().__init__(engine, events)
+        self._model, self._req_id = model, req_id
+
+    def __call__(self, x, cache=None, **kw):
+        if x.shape[-1] > 1 and any(p.cache is cache and p.seq.req.id == self._req_id
+                                   for p in self._engine._prefills):
+            raise RuntimeError("a chunk failed on purpose")
+        return super().__call__(x, cache=cache, **kw)
 
 
 class Events:
@@ -223,6 +237,32 @@ def test_no_budget_keeps_mlx_lm_prefill_and_identity(tiny_model, alone):
     rec = Events()
     run(e, rec, {0: reqs[:1], 2: reqs[1:2], 4: reqs[2:]})
     assert rec.ids == {r.id: alone(r) for r in reqs}
+
+
+def test_cancel_and_failure_during_prefill_end_that_request_alone(slowed, alone):
+    """B cancelled between two of its chunks ends as cancelled, D whose chunk raises fails alone; A keeps
+    its tokens, and the engine ends idle and serves the next request as alone."""
+    engine, rec = slowed
+    a, b, d = gen(1, short_prompt(7), 30), gen(2, LONG, 4), gen(4, long_prompt(9, 3), 4)
+    c = gen(3, short_prompt(8), 4)
+    want = {1: alone(a), 3: alone(c)}
+    engine.model = Failing(engine, engine.model._model, rec.events, req_id=4)
+    engine.submit(a, rec)
+    for _ in range(3):
+        engine.step()
+    engine.submit(b, rec)
+    engine.submit(d, rec)
+    engine.step()  # D has the fewest tokens left: its chunk raises, then B's first chunk runs
+    engine.step()
+    assert engine.cancel(2)
+    while engine.busy:
+        engine.step()
+    assert isinstance(rec.errors[4], BatchStepError) and rec.stats[2].finish_reason == "cancelled"
+    assert ("chunk", 2) in rec.events and 2 not in rec.ids and 4 not in rec.ids
+    engine.submit(c, rec)
+    while engine.busy:
+        engine.step()
+    assert rec.ids == want and not engine._prefills
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
