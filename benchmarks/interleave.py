@@ -8,6 +8,7 @@ round (targets interleaved within a round): A's longest gap between two tokens, 
 the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler), the same engine with
 ``prefill_budget_ms=0`` (mlx-lm's prefill, as before), mlx-lm's `BatchGenerator` in-process,
 ``mlxrt serve`` and ``mlx_lm.server`` (``--no-http`` leaves the last two out). Greedy, EOS off.
+``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
 
 Writes the whole document to ``--out`` and ends with the table, that path and a one-line summary.
 """
@@ -209,10 +210,11 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
                 c = make_prompt(tok, args.c_tokens, start=base + 60)[0]
                 b1 = make_prompt(tok, args.b_tokens, start=base + 70)[0]
                 c1 = make_prompt(tok, args.c_tokens, start=base + 95)[0]
-                mixed = t.run({"a": (0.0, a, args.a_tokens), "b": (args.b_after_s, b, GEN_B),
-                               "c": (args.b_after_s + args.c_after_s, c, GEN_C)})
-                mixed["ttft_b_alone_ms"] = t.run({"b": (0.0, b1, GEN_B)})["ttft_b_ms"]
-                mixed["ttft_c_alone_ms"] = t.run({"c": (0.0, c1, GEN_C)})["ttft_c_ms"]
+                mixed = {"ttft_b_alone_ms": t.run({"b": (0.0, b1, GEN_B)})["ttft_b_ms"]}
+                if not args.alone:
+                    mixed |= t.run({"a": (0.0, a, args.a_tokens), "b": (args.b_after_s, b, GEN_B),
+                                    "c": (args.b_after_s + args.c_after_s, c, GEN_C)})
+                    mixed["ttft_c_alone_ms"] = t.run({"c": (0.0, c1, GEN_C)})["ttft_c_ms"]
                 rows[t.name].append(mixed)
                 print(f"round {r} {t.name}: " + ", ".join(f"{k}={v:.0f}" for k, v in mixed.items()),
                       file=sys.stderr, flush=True)
@@ -226,6 +228,9 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(doc: dict[str, Any]) -> str:
+    if doc["config"]["alone"]:
+        return "\n".join(["| target | B's TTFT alone |", "| --- | --- |"] + [
+            f"| {name} | {m['ttft_b_alone_ms'] / 1e3:.2f} s |" for name, m in doc["medians"].items()])
     lines = ["| target | A's longest gap | C's TTFT (alone) | B's TTFT (alone) |",
              "| --- | --- | --- | --- |"]
     for name, m in doc["medians"].items():
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-after-s", type=float, default=1.0)
     p.add_argument("--c-after-s", type=float, default=0.3)
     p.add_argument("--no-http", dest="http", action="store_false", help="in-process targets only")
+    p.add_argument("--alone", action="store_true", help="only B, alone: what the chunk size costs")
     p.add_argument("--out", default="interleave.json")
     args = p.parse_args(argv)
     doc = run_rounds(args)
