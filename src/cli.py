@@ -152,12 +152,15 @@ def _engine_options(args: argparse.Namespace):
 #: Where `mlxrt serve` keeps the prefix cache's disk tier unless told (--prompt-cache-dir).
 DEFAULT_DISK_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlxrt", "prompt-cache")
 
-#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens and gather_ms are
-#: mlxrt's own.
+#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens, gather_ms,
+#: prefill_budget_ms and prompt_cache_disk_bytes are mlxrt's own.
 ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
     "prompt_concurrency": "most prompts prefilled together per worker",
     "prefill_step_size": "prompt tokens per prefill step",
+    "prefill_budget_ms": "ms of prefill between two decode steps: a long prompt is prefilled in chunks "
+                         "sized to it on this machine, at most prefill_step_size tokens (0: mlx-lm's own "
+                         "prefill; mlxrt's own)",
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse; auto: an eighth of "
                           "the memory MLX may use, 1-64 GiB)",
     "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",

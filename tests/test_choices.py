@@ -79,8 +79,9 @@ def engine(tiny_model):
 
 
 def prefilled(engine: Engine) -> int:
-    """Prompt tokens the batch has prefilled so far (mlx-lm's counter)."""
-    return engine._batch._counters.prompt_tokens
+    """Prompt tokens prefilled so far: by the engine's prefill scheduler, and by the batch (mlx-lm's
+    counter)."""
+    return engine.prefill_tokens + engine._batch._counters.prompt_tokens
 
 
 def test_greedy_choices_are_the_single_reply_from_one_prefill(engine):

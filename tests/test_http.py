@@ -174,7 +174,8 @@ def _exercise_keep_alive(srv, http) -> None:
 
 
 def test_health_and_metrics(http):
-    """/health is 200 with each worker's state; /metrics has request, token, latency and worker series."""
+    """/health is 200 with each worker's state; /metrics has request, token, latency, decode-gap and worker
+    series."""
     before = metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200")
     done = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
     assert done.status_code == 200
@@ -185,6 +186,7 @@ def test_health_and_metrics(http):
     text = http.get("/metrics").text
     for series in ("mlxrt_http_requests_total", "mlxrt_generated_tokens_total",
                    "mlxrt_time_to_first_token_seconds_bucket", "mlxrt_decode_tokens_per_second_bucket",
+                   "mlxrt_decode_longest_gap_seconds_bucket",
                    'mlxrt_workers{model="tiny",state="ready"} 1.0', "mlxrt_worker_restarts_total"):
         assert series in text
     assert metric(http, "mlxrt_http_requests_total", endpoint="/v1/completions", status="200") == before + 1

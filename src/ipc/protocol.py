@@ -18,11 +18,12 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;
 #: 6: InvalidField's field in Failed (kind, field); EngineOptions.prompt_cache_dir and
 #: prompt_cache_disk_bytes; EngineReport.disk_cache_*.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -242,6 +243,10 @@ def _check(ok: bool, field: str, rule: str, value: object) -> None:
 DEFAULT_DECODE_CONCURRENCY = 16
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
+#: Prefill time between two decode steps: a decoding stream's longest gap is about this plus one
+#: decode step (the issue's goal on a GPU: 0.25 s), wherever the model runs.
+DEFAULT_PREFILL_BUDGET_MS = 200
+MAX_PREFILL_BUDGET_MS = 60_000
 #: The prefix cache's byte cap when none is given ("auto"): this share of the memory MLX may use
 #: (`worker.limits.auto_prompt_cache_bytes`), within these bounds. 1 GiB is a 16 GB laptop's share
 #: (~18k tokens of a 7B model's KV); an H200 machine's is 16-18 GiB, room for 8 agents' 4k-token chats
@@ -334,6 +339,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: tier) and byte budget, shared by every worker of the model and the next process.
     prompt_cache_dir: str | None = None
     prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES
+    #: Prefill time between two decode steps, ms: a long prompt is prefilled in chunks sized to it
+    #: on this machine (docs/engine.md, the prefill scheduler); 0: mlx-lm's own prefill, as before.
+    prefill_budget_ms: int = DEFAULT_PREFILL_BUDGET_MS
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -344,6 +352,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
                "must be >= 0", self.prompt_cache_bytes)
         _check(self.prompt_cache_disk_bytes >= 0, "prompt_cache_disk_bytes", "must be >= 0",
                self.prompt_cache_disk_bytes)
+        _check(0 <= self.prefill_budget_ms <= MAX_PREFILL_BUDGET_MS, "prefill_budget_ms",
+               f"must be in [0, {MAX_PREFILL_BUDGET_MS}]", self.prefill_budget_ms)
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(0 <= self.gather_ms <= MAX_GATHER_MS, "gather_ms", f"must be in [0, {MAX_GATHER_MS}]",
                self.gather_ms)
@@ -411,6 +421,12 @@ class Stats(msgspec.Struct, kw_only=True):
     #: accepted (0 and 0 when it decoded without a draft, e.g. in a batch).
     draft_tokens: int = 0
     draft_accepted: int = 0
+    #: Time spent prefilling this prompt's own chunks, and waiting while admitted behind other
+    #: prompts' prefill chunks, ms (docs/engine.md, the prefill scheduler).
+    prefill_ms: float = 0.0
+    prefill_wait_ms: float = 0.0
+    #: The longest time between two consecutive tokens of the reply, ms (a decode stall's length).
+    longest_gap_ms: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:

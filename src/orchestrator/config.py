@@ -141,7 +141,8 @@ def engine_from_env() -> EngineOptions:
     MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off), MLXRT_SINGLE_STREAM (0: a lone request
     goes through the batch too), MLXRT_EMBED_BATCH_TOKENS (an embedding model's padded tokens per pass),
     MLXRT_GATHER_MS (how long new requests are held back after a wave of replies, 0: not at all),
-    MLXRT_PROMPT_CACHE_DIR and MLXRT_PROMPT_CACHE_DISK_BYTES (the prefix cache's disk tier; unset: none).
+    MLXRT_PROMPT_CACHE_DIR and MLXRT_PROMPT_CACHE_DISK_BYTES (the prefix cache's disk tier; unset: none),
+    MLXRT_PREFILL_BUDGET_MS (prefill time between two decode steps, 0: mlx-lm's own prefill).
     """
     b = EngineOptions()
     return EngineOptions(
@@ -154,4 +155,5 @@ def engine_from_env() -> EngineOptions:
         gather_ms=_env_int("MLXRT_GATHER_MS", b.gather_ms),
         prompt_cache_dir=os.environ.get("MLXRT_PROMPT_CACHE_DIR") or None,
         prompt_cache_disk_bytes=_env_int("MLXRT_PROMPT_CACHE_DISK_BYTES", b.prompt_cache_disk_bytes),
+        prefill_budget_ms=_env_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),
     ).validate()

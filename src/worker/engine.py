@@ -6,10 +6,10 @@ run one in-process, which is also the native baseline.
 
 ::
 
-    submit(req) -> tokenize, check -> waiting -> admit (room in the batch) -> mlx-lm BatchGenerator
-                   (fails alone)                  prefix cache: the longest       step(): one decode step
-    cancel(id) ------------------------------>    cached prefix is served,        for every running seq,
-                                                  the rest prefilled in segments a prefill chunk for new ones
+    submit(req) -> tokenize, check -> waiting -> admit (room in the batch) -> prefill.py  -> BatchGenerator
+                   (fails alone)                  prefix cache: the longest      step(): chunks   then one
+    cancel(id) ------------------------------>    cached prefix is served,       for ~the budget, decode step
+                                                  the rest prefilled in segments shortest first   for each seq
                                                                                        |
                          listener.started / token / done / failed  <-------------------+
 
@@ -24,8 +24,15 @@ is rebuilt, with MLX's random state reseeded.
 
 A lone request (nothing running, nothing else waiting) skips the batch: it is
 prefilled and decoded by `Solo` (`solo.py`), as `mlx_lm.generate_step` does,
-one chunk or one token per `step()`, and handed over to the batch, exactly
-where it is, when a second request arrives (`_hand_over`).
+one chunk or one token per `step()`, and handed over to the batch (mid-prompt:
+to the prefill scheduler), exactly where it is, when a second request arrives
+(`_hand_over`).
+
+Prefill (`prefill.py`): an admitted prompt is prefilled outside the batch on a
+cache of its own, in chunks sized to `prefill_budget_ms` on this machine,
+shortest remaining prompt first, and joins the batch at its last token; each
+`step()` runs about the budget of chunks, then one decode step for every
+running sequence.
 
 Prefix reuse: a finished sequence's cache is kept in `PrefixCache` under its
 tokens. Where every layer's cache can be trimmed (`KVCache`), a later prompt
@@ -78,6 +85,7 @@ from .grammar import GrammarCache, StepMasks
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .limits import auto_prompt_cache_bytes, prefill_steps, prefill_token_cap
 from .logprobs import TokenBytes, token_logprobs
+from .prefill import ChunkSizer, Prefill, passed_over, pick, run_chunk, split_last
 from .prefix_cache import PrefixCache
 from .prompt import DEFAULT_CONTEXT_LENGTH, PromptBuilder, capabilities, check_request, reasoning_open
 from .prompt_file import load_prompt_file
@@ -198,6 +206,15 @@ class Engine(PromptBuilder):
         #: Uncached system prompts being prefilled now, each by one leading sequence (its uid).
         self._leaders: dict[tuple[int, ...], int] = {}
         self._heads: dict[tuple, list[int]] = {}  # system messages, chat options -> templated tokens
+        #: Admitted prompts being prefilled outside the batch, chunk by chunk (`prefill.py`); the
+        #: scheduler is off (mlx-lm prefills, as before) with no budget and in a worker group, whose
+        #: ranks must step alike (a chunk sized by each rank's own clock would differ between them).
+        self._prefills: list[Prefill] = []
+        self._admitted = 0
+        #: Prompt tokens prefilled outside the batch (the scheduler's chunks and the fast path's).
+        self.prefill_tokens = 0
+        self.scheduled = o.prefill_budget_ms > 0 and group is None
+        self.sizer = ChunkSizer(o.prefill_budget_ms if self.scheduled else 0, self.prefill.solo)
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
 
@@ -205,7 +222,7 @@ class Engine(PromptBuilder):
     @property
     def busy(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._waiting or self._running or self._solo)
+        return bool(self._waiting or self._running or self._solo or self._prefills)
 
     def submit(self, req: Generate, listener: Listener, *, queued_at: float | None = None) -> None:
         """Check and tokenize `req` and queue it for the batch; a bad request fails at once, alone."""
@@ -246,6 +263,10 @@ class Engine(PromptBuilder):
         if self._solo is not None and self._solo.seq.req.id == req_id:
             self._finish(self._solo.seq, "cancelled")
             return True
+        for p in self._prefills:
+            if p.seq.req.id == req_id:
+                self._finish(p.seq, "cancelled")
+                return True
         for seq in list(self._running.values()):
             if seq.req.id == req_id:
                 self._batch.remove([seq.uid])
@@ -256,7 +277,7 @@ class Engine(PromptBuilder):
     def cancel_all(self) -> None:
         """End every request, waiting or running, as cancelled."""
         solo = [self._solo.seq] if self._solo is not None else []
-        for seq in [*self._waiting, *solo, *self._running.values()]:
+        for seq in [*self._waiting, *solo, *(p.seq for p in self._prefills), *self._running.values()]:
             self.cancel(seq.req.id)
 
     def close(self) -> None:
@@ -266,13 +287,16 @@ class Engine(PromptBuilder):
 
     def step(self) -> None:
         """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,
-        else a batch step (a decode step and a prefill chunk)."""
+        else the prefill budget's chunks (`prefill.py`) and a batch step (one token for every
+        decoding sequence)."""
         if self._solo is not None and self._waiting:
             self._hand_over()
         self._admit()
         if self._solo is not None:
             self._solo_step()
             return
+        if self._prefills:
+            self._prefill_step()
         if not self._running:
             return
         self._plan_masks()
@@ -291,7 +315,7 @@ class Engine(PromptBuilder):
 
     def report(self) -> EngineReport:
         """The queue, the batch and the prefix cache, now (safe to read from another thread)."""
-        running = len(self._running) + (self._solo is not None)
+        running = len(self._running) + (self._solo is not None) + len(self._prefills)
         report = EngineReport(queued=len(self._waiting), batch_size=running)
         return self.prefix_cache.report(report)
 
@@ -481,10 +505,11 @@ class Engine(PromptBuilder):
     def _admit(self) -> None:
         # n > 1 is a batch from the start, and a forked choice starts from its fork's cache (`_insert`).
         lone = len(self._waiting) == 1 and not self._waiting[0].forks and self._waiting[0].start is None
-        if self._solo is None and not self._running and lone and self.solo_enabled:
+        if self._solo is None and not self._running and not self._prefills and lone and self.solo_enabled:
             self._start_solo(self._waiting.popleft())
             return
-        room = self.options.decode_concurrency - len(self._running) - (self._solo is not None)
+        room = (self.options.decode_concurrency - len(self._running) - (self._solo is not None)
+                - len(self._prefills))
         following: list[Sequence] = []
         while room > 0 and self._waiting:
             seq = self._waiting.popleft()
@@ -492,7 +517,7 @@ class Engine(PromptBuilder):
                 following.append(seq)  # its system prompt is being prefilled: wait for the checkpoint
                 continue
             room -= 1
-            if not self._running:
+            if not self._running and not self._prefills:
                 mx.reset_peak_memory()
             try:
                 self._insert(seq)
@@ -509,6 +534,9 @@ class Engine(PromptBuilder):
         seq.cached_tokens = n
         segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
                                     fork=bool(seq.forks), turn_end=seq.turn_end)
+        if self.scheduled:
+            self._queue_prefill(seq, cache, segments, kinds, list(seq.ids[:n]))
+            return
         (seq.uid,) = self._batch.insert_segments(
             [segments],
             max_tokens=[seq.max_tokens],
@@ -529,6 +557,90 @@ class Engine(PromptBuilder):
         seq.listener.started(seq.req.id)
         if seq.forks and len(seq.ids) - n <= 1:  # one token to prefill, no boundary: the others start alike
             self._release_forks(seq, None)
+
+    # -- the prefill scheduler (prefill.py) ------------------------------------------
+    def _queue_prefill(self, seq: Sequence, cache: list | None, segments: list, kinds: list,
+                       tokens: list[int]) -> None:
+        """Admit `seq` to the prefill scheduler, on a cache of its own, with the prompt `segments`
+        still to prefill after `tokens` (those in `cache`)."""
+        if cache is None:
+            cache = make_cache(self.model, self.options.max_kv_size)
+        seq.checkpoint_kinds = kinds
+        seq.admitted_at = time.perf_counter()
+        self._add_prefill(seq, cache, split_last(segments), tokens)
+        seq.listener.started(seq.req.id)
+        if seq.forks and len(seq.ids) - seq.cached_tokens <= 1:  # as `_insert`: nothing to fork from
+            self._release_forks(seq, None)
+
+    def _add_prefill(self, seq: Sequence, cache: list, segments: list, tokens: list[int]) -> None:
+        self._admitted += 1
+        self._prefills.append(Prefill(seq, cache, segments, tokens, order=self._admitted))
+        if "system" in seq.checkpoint_kinds:  # its system prompt is still to come: others may follow it
+            seq.leads = tuple(seq.ids[: seq.system_end])
+            self._leaders[seq.leads] = -1  # no batch uid yet: only its presence counts
+
+    def _prefill_step(self) -> None:
+        """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
+        chooses, each sized by the measured rate; a prompt left with its last token joins the batch."""
+        for p in [p for p in self._prefills if p.ready]:
+            self._join(p)
+        spent = 0.0
+        while self._prefills and spent * 1e3 < self.sizer.budget_ms:
+            p = pick(self._prefills)
+            try:
+                n, seconds, ended = run_chunk(self.model, p, self.sizer.size(spent * 1e3), self._batch.stream)
+            except Exception as exc:
+                reseed()
+                self._prefills.remove(p)
+                error = BatchStepError(f"prefill step failed: {exc!r}")
+                error.__cause__ = exc
+                self._unlead(p.seq)
+                self._failed(p.seq, error)
+                continue
+            self.sizer.record(n, seconds)
+            self.prefill_tokens += n
+            passed_over(self._prefills, p, seconds)
+            spent += seconds
+            if ended and p.segments:
+                self._boundary(p)
+            if p.ready:
+                self._join(p)
+
+    def _boundary(self, p: Prefill) -> None:
+        """`p`'s prefill reached a segment's end: keep its checkpoint, release its forks, as the batch's
+        `_checkpoint` does."""
+        seq = p.seq
+        if not seq.checkpoint_kinds:
+            return
+        kind = seq.checkpoint_kinds.pop()
+        if seq.forks and not seq.checkpoint_kinds:  # the prompt's end: its other choices start
+            self._release_forks(seq, (p.cache, len(p.tokens)))
+        if kind is not None:  # the cache goes on: keep a copy
+            self.prefix_cache.insert(list(p.tokens), copy.deepcopy(p.cache), kind)
+        if kind == "system":
+            self._unlead(seq)
+
+    def _join(self, p: Prefill) -> None:
+        """`p` is prefilled but for its last token: it joins the batch, whose next step decodes it."""
+        self._prefills.remove(p)
+        seq = p.seq
+        try:
+            (seq.uid,) = self._batch.insert_segments(
+                [p.segments],
+                max_tokens=[seq.max_tokens],
+                caches=[p.cache],
+                all_tokens=[p.tokens],
+                samplers=[seq.sampler],
+                logits_processors=[seq.processors],
+                stop_sequences=[seq.stop],
+            )
+        except Exception as exc:
+            self._unlead(seq)
+            self._failed(seq, exc)
+            return
+        self._running[seq.uid] = seq
+        if seq.logprobs is not None:
+            self._with_logprobs.add(seq.uid)
 
     def _release_forks(self, seq: Sequence, start: tuple[list, int] | None) -> None:
         """`seq`'s prompt is prefilled up to its last token: its other choices start from a copy of
@@ -578,7 +690,7 @@ class Engine(PromptBuilder):
         seq = solo.seq
         try:
             if solo.prefilling:
-                if solo.prefill() and seq.checkpoint_kinds:
+                if self._solo_prefill(solo) and seq.checkpoint_kinds:
                     kind = seq.checkpoint_kinds.pop()  # the cache goes on: keep a copy
                     if kind is not None:
                         self.prefix_cache.insert(list(solo.tokens), copy.deepcopy(solo.cache), kind)
@@ -600,6 +712,22 @@ class Engine(PromptBuilder):
         if reason is not None:
             self._finish(seq, reason, solo.cache, solo.tokens)
 
+    def _solo_prefill(self, solo: Solo) -> bool:
+        """One prefill chunk of the lone sequence, sized to the budget as the scheduler's are (but with
+        KV-cache quantization, whose cache depends on where chunks end: `prefill_step_size` then, as
+        mlx-lm's); whether it ended an inner segment."""
+        sized = self.scheduled and self.kv is None
+        before, t0 = len(solo.tokens), time.perf_counter()
+        boundary = solo.prefill(self.sizer.size() if sized else None)
+        # The prompt's last token, queued once the prompt is in, is the first decode step's input.
+        seconds, n = time.perf_counter() - t0, len(solo.tokens) - before - (not solo.prefilling)
+        if n > 0:
+            self.prefill_tokens += n
+            solo.seq.prefill_s += seconds
+            if sized:
+                self.sizer.record(n, seconds)
+        return boundary
+
     def _hand_over(self) -> None:
         """Another request arrived: move the lone sequence into the batch, to go on exactly where it is.
 
@@ -614,6 +742,9 @@ class Engine(PromptBuilder):
             if self._solo is None:  # it ended (or failed) on that token
                 return
         self._solo = None
+        if self.scheduled and solo.prefilling:  # its prompt goes on in the scheduler's chunks
+            self._add_prefill(seq, full_precision(solo.cache), solo.segments, list(solo.tokens))
+            return
         try:
             args = solo.handoff()
             (seq.uid,) = self._batch.insert_segments(args.pop("segments"), **args)
@@ -705,6 +836,8 @@ class Engine(PromptBuilder):
 
         mlx_reason is mlx-lm's: "stop" for a stop id (not part of the reply), "length" at max_tokens.
         """
+        if seq.last_at:
+            seq.longest_gap_s = max(seq.longest_gap_s, now - seq.last_at)
         seq.first_at = seq.first_at or now
         seq.last_at = now
         seq.steps += 1
@@ -721,8 +854,11 @@ class Engine(PromptBuilder):
         return reason or ("length" if mlx_reason == "length" else None)
 
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
+        prefill = next((p for p in self._prefills if p.seq is seq), None)
         if self._solo is not None and self._solo.seq is seq:
             self._solo = None
+        elif prefill is not None:
+            self._prefills.remove(prefill)
         else:
             del self._running[seq.uid]
             self._with_logprobs.discard(seq.uid)

@@ -285,6 +285,12 @@ class Sequence:
     #: Speculative decoding on the fast path: tokens drafted for it, and those accepted.
     draft_tokens: int = 0
     draft_accepted: int = 0
+    #: Seconds spent prefilling this prompt's own chunks, and waiting behind other prompts' chunks
+    #: while admitted (`prefill.py`).
+    prefill_s: float = 0.0
+    prefill_wait_s: float = 0.0
+    #: The longest time between two of its tokens, seconds.
+    longest_gap_s: float = 0.0
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
@@ -304,4 +310,7 @@ class Sequence:
             stop_sequence=self.text.stop_hit,
             draft_tokens=self.draft_tokens,
             draft_accepted=self.draft_accepted,
+            prefill_ms=self.prefill_s * 1e3,
+            prefill_wait_ms=self.prefill_wait_s * 1e3,
+            longest_gap_ms=self.longest_gap_s * 1e3,
         )

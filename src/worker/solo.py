@@ -117,11 +117,12 @@ class Solo:
         """Whether prompt tokens are left to prefill (the first token is not queued yet)."""
         return bool(self.segments)
 
-    def prefill(self) -> bool:
-        """Prefill one chunk; queue the first decode step after the last. True at an inner segment's end."""
+    def prefill(self, size: int | None = None) -> bool:
+        """Prefill one chunk of `size` tokens (None: `prefill_step_size`); queue the first decode step
+        after the last. True at an inner segment's end."""
         if len(self.segments) > 1:
-            seg = self.segments[0]
-            chunk, self.segments[0] = seg[: self._step_size], seg[self._step_size :]
+            seg, size = self.segments[0], size or self._step_size
+            chunk, self.segments[0] = seg[:size], seg[size:]
             with mx.stream(self._stream):
                 self.model(mx.array(chunk)[None], cache=self.cache)
                 quantize(self.cache, self._kv)

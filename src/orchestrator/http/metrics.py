@@ -26,6 +26,7 @@ from ..handle import WorkerInfo
 WORKER_STATES = ("starting", "ready", "busy", "draining", "dead", "failed", "unloaded", "stopped")
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DECODE_BUCKETS_TPS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
+GAP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class _Workers:
@@ -115,6 +116,10 @@ class Metrics:
         self.decode_rate = Histogram("mlxrt_decode_tokens_per_second",
                                      "Decode rate of each generation, as the worker measured it.",
                                      ["model"], buckets=DECODE_BUCKETS_TPS, registry=r)
+        self.decode_gap = Histogram("mlxrt_decode_longest_gap_seconds",
+                                    "Longest time between two tokens of each generation, as the worker "
+                                    "measured it (a stall behind other prompts' prefill shows here).",
+                                    ["model"], buckets=GAP_BUCKETS_S, registry=r)
         self.embedded_inputs = Counter("mlxrt_embedded_inputs", "Inputs embedded and sent to clients.",
                                        ["model"], registry=r)
         self.embedded_tokens = Counter("mlxrt_embedded_tokens", "Tokens of the inputs embedded.",

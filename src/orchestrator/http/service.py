@@ -240,9 +240,14 @@ class Generation:
                 m.draft_accepted.labels(self.model).inc(stats.draft_accepted)
             if stats.decode_tps > 0:
                 m.decode_rate.labels(self.model).observe(stats.decode_tps)
+            if stats.generation_tokens > 1:
+                m.decode_gap.labels(self.model).observe(stats.longest_gap_ms / 1e3)
         worker = {} if stats is None else {  # the worker's share of the TTFT: waiting, then prefill
             "worker_queue_ms": round(stats.queue_ms, 2),
             "worker_ttft_ms": round(stats.ttft_ms, 2),
+            # of the TTFT: its own prefill chunks, and other prompts' chunks it waited behind
+            "prefill_ms": round(stats.prefill_ms, 2),
+            "prefill_wait_ms": round(stats.prefill_wait_ms, 2),
         }
         if error:
             worker["error"] = error

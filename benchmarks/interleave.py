@@ -1,0 +1,268 @@
+"""A long prompt among running streams (issue 28's shape): does it freeze the others?
+
+``python -m benchmarks.interleave [--model synthetic:small] [--b-tokens 3500] [--rounds 3]``:
+stream A decodes `--a-tokens` tokens; `--b-after-s` after A a long prompt B arrives (`--b-tokens`
+tokens, 8 to generate); `--c-after-s` after B a short request C (`--c-tokens` tokens, 8 to generate).
+Every prompt is distinct (its own corpus paragraph), so no prefix is reused. Per target, round by
+round (targets interleaved within a round): A's longest gap between two tokens, C's and B's TTFT in
+the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler), the same engine with
+``prefill_budget_ms=0`` (mlx-lm's prefill, as before), mlx-lm's `BatchGenerator` in-process,
+``mlxrt serve`` and ``mlx_lm.server`` (``--no-http`` leaves the last two out). Greedy, EOS off.
+``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
+
+Writes the whole document to ``--out`` and ends with the table, that path and a one-line summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .env import describe
+
+GEN_B = GEN_C = 8
+
+
+class _Times:
+    """A listener that stamps each request's tokens (perf_counter seconds)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[float]] = {}
+
+    def started(self, req_id: int) -> None:
+        pass
+
+    def token(self, req_id: int, *args, **kwargs) -> None:
+        self.tokens.setdefault(req_id, []).append(time.perf_counter())
+
+    def done(self, *args, **kwargs) -> None:
+        pass
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        raise exc
+
+
+def _figures(arrived: dict[str, float], tokens: dict[str, list[float]]) -> dict[str, float]:
+    """A's longest gap and each request's TTFT, ms, from arrival times and token times (seconds)."""
+    out = {f"ttft_{k}_ms": (tokens[k][0] - arrived[k]) * 1e3 for k in tokens}
+    a = tokens.get("a", [])
+    out["a_longest_gap_ms"] = max((t1 - t0 for t0, t1 in zip(a, a[1:], strict=False)), default=0.0) * 1e3
+    return out
+
+
+def _schedule(spec: dict[str, tuple[float, list[int], int]], submit: Callable, step: Callable,
+              busy: Callable[[], bool]) -> dict[str, float]:
+    """Submit each request at its offset (s) while stepping an in-process generator; arrival times."""
+    t0, arrived = time.perf_counter(), {}
+    pending = sorted(spec.items(), key=lambda kv: kv[1][0])
+    while pending or busy():
+        now = time.perf_counter()
+        while pending and t0 + pending[0][1][0] <= now:
+            name, (_, ids, n) = pending.pop(0)
+            arrived[name] = time.perf_counter()
+            submit(name, ids, n)
+        if busy():
+            step()
+        elif pending:
+            time.sleep(max(0.0, min(0.005, t0 + pending[0][1][0] - now)))
+    return arrived
+
+
+class EngineTarget:
+    """mlxrt's `Engine` in-process, stepped on this thread."""
+
+    def __init__(self, name: str, model: str, budget_ms: int | None) -> None:
+        from mlxrt.ipc.protocol import EngineOptions
+        from mlxrt.worker.engine import Engine
+
+        opts = EngineOptions(prompt_cache_bytes=0)
+        if budget_ms is not None:
+            opts = EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=budget_ms)
+        self.name, self.engine = name, Engine(model, options=opts)
+
+    def run(self, spec: dict[str, tuple[float, list[int], int]]) -> dict[str, float]:
+        from mlxrt.ipc.protocol import Generate, SamplingParams
+
+        rec, ids_of = _Times(), {}
+
+        def submit(name: str, ids: list[int], n: int) -> None:
+            ids_of[len(ids_of)] = name
+            self.engine.submit(Generate(id=len(ids_of) - 1, prompt_ids=ids,
+                                        params=SamplingParams(max_tokens=n, ignore_eos=True)), rec)
+
+        arrived = _schedule(spec, submit, self.engine.step, lambda: self.engine.busy)
+        return _figures(arrived, {ids_of[i]: t for i, t in rec.tokens.items()})
+
+    def close(self) -> None:
+        pass
+
+
+class BatchGeneratorTarget:
+    """mlx-lm's `BatchGenerator` in-process with mlx_lm.server's defaults, stepped on this thread."""
+
+    name = "mlx-lm BatchGenerator"
+
+    def __init__(self, model: str) -> None:
+        from mlx_lm import load
+
+        self.model, _ = load(model)
+
+    def run(self, spec: dict[str, tuple[float, list[int], int]]) -> dict[str, float]:
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(self.model, completion_batch_size=32, prefill_batch_size=8)
+        names: dict[int, str] = {}
+        tokens: dict[str, list[float]] = {}
+        live: set[int] = set()
+
+        def submit(name: str, ids: list[int], n: int) -> None:
+            (uid,) = gen.insert([ids], max_tokens=[n])
+            names[uid] = name
+            live.add(uid)
+
+        def step() -> None:
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                tokens.setdefault(names[r.uid], []).append(now)
+                if r.finish_reason is not None:
+                    live.discard(r.uid)
+
+        try:
+            arrived = _schedule(spec, submit, step, lambda: bool(live))
+        finally:
+            gen.close()
+        return _figures(arrived, tokens)
+
+    def close(self) -> None:
+        pass
+
+
+class HttpTarget:
+    """A server from `benchmarks.http_scenario`, each request on its own thread at its offset."""
+
+    def __init__(self, server: Any) -> None:
+        self.server, self.name = server, server.name
+        server.setup()
+
+    def run(self, spec: dict[str, tuple[float, list[int], int]]) -> dict[str, float]:
+        runs: dict[str, Any] = {}
+        errors: list[BaseException] = []
+
+        def one(name: str, delay: float, ids: list[int], n: int) -> None:
+            time.sleep(delay)
+            try:
+                runs[name] = self.server.run(ids, n)
+            except BaseException as exc:  # noqa: BLE001  # reported after the join
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(k, *v)) for k, v in spec.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        out = {f"ttft_{k}_ms": r.ttft_ms for k, r in runs.items()}
+        if "a" in runs:
+            out["a_longest_gap_ms"] = max(runs["a"].itl_ms, default=0.0)
+        return out
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def make_targets(model: str, model_path: str, http: bool) -> list[Any]:
+    targets: list[Any] = [EngineTarget("mlxrt engine", model, None),
+                          EngineTarget("mlxrt engine, budget 0", model, 0),
+                          BatchGeneratorTarget(model_path)]
+    if http:
+        from .http_scenario import HttpStream, MlxLmServer
+
+        targets += [HttpTarget(HttpStream(model_path)), HttpTarget(MlxLmServer(model_path))]
+    return targets
+
+
+def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
+    from mlx_lm.utils import load_tokenizer
+    from mlxrt.worker.engine import resolve_model_path
+
+    from .e2e import make_prompt
+
+    path = resolve_model_path(args.model)
+    from pathlib import Path
+
+    tok = load_tokenizer(Path(path))
+    targets = make_targets(args.model, path, args.http)
+    rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+    try:
+        for r in range(args.rounds):
+            for k, t in enumerate(targets):
+                base = 1000 * r + 100 * k  # paragraphs of their own: no prefix shared with any other
+                a = make_prompt(tok, args.a_prompt_tokens, start=base)[0]
+                b = make_prompt(tok, args.b_tokens, start=base + 10)[0]
+                c = make_prompt(tok, args.c_tokens, start=base + 60)[0]
+                b1 = make_prompt(tok, args.b_tokens, start=base + 70)[0]
+                c1 = make_prompt(tok, args.c_tokens, start=base + 95)[0]
+                mixed = {"ttft_b_alone_ms": t.run({"b": (0.0, b1, GEN_B)})["ttft_b_ms"]}
+                if not args.alone:
+                    mixed |= t.run({"a": (0.0, a, args.a_tokens), "b": (args.b_after_s, b, GEN_B),
+                                    "c": (args.b_after_s + args.c_after_s, c, GEN_C)})
+                    mixed["ttft_c_alone_ms"] = t.run({"c": (0.0, c1, GEN_C)})["ttft_c_ms"]
+                rows[t.name].append(mixed)
+                print(f"round {r} {t.name}: " + ", ".join(f"{k}={v:.0f}" for k, v in mixed.items()),
+                      file=sys.stderr, flush=True)
+    finally:
+        for t in targets:
+            t.close()
+    medians = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+               for name, runs in rows.items() if runs}
+    return {"benchmark": "mlxrt-interleave", "config": vars(args), "rounds": rows, "medians": medians,
+            "env": describe()}
+
+
+def table(doc: dict[str, Any]) -> str:
+    if doc["config"]["alone"]:
+        return "\n".join(["| target | B's TTFT alone |", "| --- | --- |"] + [
+            f"| {name} | {m['ttft_b_alone_ms'] / 1e3:.2f} s |" for name, m in doc["medians"].items()])
+    lines = ["| target | A's longest gap | C's TTFT (alone) | B's TTFT (alone) |",
+             "| --- | --- | --- | --- |"]
+    for name, m in doc["medians"].items():
+        lines.append(f"| {name} | {m['a_longest_gap_ms'] / 1e3:.2f} s | {m['ttft_c_ms'] / 1e3:.2f} s "
+                     f"({m['ttft_c_alone_ms'] / 1e3:.2f} s) | {m['ttft_b_ms'] / 1e3:.2f} s "
+                     f"({m['ttft_b_alone_ms'] / 1e3:.2f} s) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.interleave", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="synthetic:small")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--a-prompt-tokens", type=int, default=64)
+    p.add_argument("--a-tokens", type=int, default=400)
+    p.add_argument("--b-tokens", type=int, default=3500)
+    p.add_argument("--c-tokens", type=int, default=60, help="about 40 words")
+    p.add_argument("--b-after-s", type=float, default=1.0)
+    p.add_argument("--c-after-s", type=float, default=0.3)
+    p.add_argument("--no-http", dest="http", action="store_false", help="in-process targets only")
+    p.add_argument("--alone", action="store_true", help="only B, alone: what the chunk size costs")
+    p.add_argument("--out", default="interleave.json")
+    args = p.parse_args(argv)
+    doc = run_rounds(args)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(table(doc))
+    print(args.out)
+    short = {n: {k: round(v) for k, v in m.items()} for n, m in doc["medians"].items()}
+    print(json.dumps({"benchmark": "interleave", "medians_ms": short})[:1000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

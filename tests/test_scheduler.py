@@ -1,0 +1,304 @@
+"""The prefill scheduler in-process: who gets prefilled and who gets tokens when, and that each request's
+tokens stay its tokens alone.
+
+The model is slowed on purpose: every prefill call sleeps `SLOW_S`, longer than the 1 ms budget, so each
+engine step runs exactly one prefill chunk of `STEP` tokens (the floor and the ceiling of the chunk size
+are both `STEP`), then one decode step for every running sequence. The tests assert the order of events,
+never how long anything took.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import TRANSPORTS
+from mlxrt import Runtime
+from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
+from mlxrt.orchestrator.config import engine_from_env
+from mlxrt.worker.engine import BatchStepError, Engine
+from mlxrt.worker.prefill import MAX_SKIPS, ChunkSizer
+
+STEP = 32
+SLOW_S = 0.005
+LONG = [100 + (i * 7) % 100 for i in range(12 * STEP)]  # 12 chunks
+
+
+def long_prompt(k: int, chunks: int) -> list[int]:
+    """A prompt of `chunks` chunks, its own for each `k`."""
+    return [100 + (i * 7 + k) % 100 for i in range(chunks * STEP)]
+
+
+def short_prompt(k: int) -> list[int]:
+    """A prompt of one chunk, one of 40."""
+    return [5 + k % 40] + [50 + (i + k) % 40 for i in range(10)]
+
+
+class Slow:
+    """The engine's model, each prefill call (more than one token) sleeping `SLOW_S` and noted as
+    ("chunk", the request it prefills)."""
+
+    def __init__(self, engine: Engine, events: list) -> None:
+        self._engine = engine
+        self._model = engine.model
+        self._events = events
+
+    def __call__(self, x, cache=None, **kw):
+        if x.shape[-1] > 1:
+            e = self._engine
+            owners = [p.seq for p in e._prefills if p.cache is cache]
+            owners += [e._solo.seq] if e._solo is not None and e._solo.cache is cache else []
+            self._events.append(("chunk", owners[0].req.id if owners else -1))
+            time.sleep(SLOW_S)
+        return self._model(x, cache=cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class Failing(Slow):
+    """`Slow`, but a chunk of request `req_id` raises."""
+
+    def __init__(self, engine: Engine, model, events: list, req_id: int) -> None:
+        super().__init__(engine, events)
+        self._model, self._req_id = model, req_id
+
+    def __call__(self, x, cache=None, **kw):
+        if x.shape[-1] > 1 and any(p.cache is cache and p.seq.req.id == self._req_id
+                                   for p in self._engine._prefills):
+            raise RuntimeError("a chunk failed on purpose")
+        return super().__call__(x, cache=cache, **kw)
+
+
+class Events:
+    """A listener that writes started / token / done into one ordered list, beside the chunks."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.ids: dict[int, list[int]] = {}
+        self.stats: dict = {}
+        self.errors: dict[int, BaseException] = {}
+
+    def started(self, req_id: int) -> None:
+        self.events.append(("started", req_id))
+
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, **kw) -> None:
+        self.ids.setdefault(req_id, []).append(token)
+        self.events.append(("token", req_id))
+
+    def done(self, req_id: int, stats, text: str, reasoning: str = "", calls=None, **kw) -> None:
+        self.stats[req_id] = stats
+        self.events.append(("done", req_id))
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        self.errors[req_id] = exc
+
+    def first(self, kind: str, what: int) -> int:
+        """Where the first (kind, what) event is."""
+        return self.events.index((kind, what))
+
+
+def gen(i: int, ids: list[int], max_tokens: int = 8) -> Generate:
+    return Generate(id=i, prompt_ids=ids, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """An engine with a 1 ms budget, chunks of `STEP` tokens and no prefix cache (each prompt prefilled)."""
+    return Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP,
+                                                    prompt_cache_bytes=0))
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model):
+    """Each request's tokens alone, on an engine of their own (memoised by prompt and length)."""
+    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP,
+                                                      prompt_cache_bytes=0))
+    memo: dict = {}
+
+    def tokens(req: Generate) -> list[int]:
+        key = (tuple(req.prompt_ids), req.params.max_tokens)
+        if key not in memo:
+            rec = Events()
+            engine.submit(req, rec)
+            while engine.busy:
+                engine.step()
+            memo[key] = rec.ids[req.id]
+        return memo[key]
+
+    return tokens
+
+
+@pytest.fixture
+def slowed(engine):
+    """The engine with its prefill slowed; the events list that notes its chunks."""
+    rec = Events()
+    model = engine.model
+    engine.model = Slow(engine, rec.events)
+    yield engine, rec
+    engine.model = model
+
+
+def run(engine: Engine, rec: Events, arrivals: dict[int, list[Generate]]) -> None:
+    """Step until idle, submitting arrivals[k] before step k."""
+    k = 0
+    while engine.busy or any(s >= k for s in arrivals):
+        for req in arrivals.get(k, []):
+            engine.submit(req, rec)
+        engine.step()
+        k += 1
+
+
+def test_a_decodes_between_the_chunks_of_a_long_prompt(slowed, alone):
+    """A keeps getting a token between every two prefill chunks of B; both keep their tokens alone."""
+    engine, rec = slowed
+    a, b = gen(1, short_prompt(0), max_tokens=40), gen(2, LONG, max_tokens=4)
+    want = {1: alone(a), 2: alone(b)}
+    run(engine, rec, {0: [a], 3: [b]})
+    ev = rec.events
+    b_chunks = [i for i, e in enumerate(ev) if e == ("chunk", 2)]
+    assert len(b_chunks) == len(LONG) // STEP  # the whole prompt, one chunk per step
+    assert rec.first("started", 2) < b_chunks[0] and b_chunks[-1] < rec.first("token", 2)
+    # From B's second chunk on: at B's first, A moves from the fast path into the batch, whose first
+    # step for it only queues its next token (it got one token at the move).
+    for lo, hi in zip(b_chunks[1:], b_chunks[2:], strict=False):
+        assert ("token", 1) in ev[lo:hi], f"A got no token between B's chunks at {lo} and {hi}: {ev}"
+    assert rec.ids == want
+    assert rec.stats[2].prefill_ms > 0 and rec.stats[1].longest_gap_ms > 0
+
+
+def test_a_short_prompt_goes_before_the_rest_of_a_long_one(slowed, alone):
+    """C, arriving while B prefills, is prefilled next and gets its first token before B's; B waited."""
+    engine, rec = slowed
+    a, b, c = gen(1, short_prompt(1), max_tokens=30), gen(2, LONG, max_tokens=4), gen(3, short_prompt(2), 4)
+    want = {1: alone(a), 2: alone(b), 3: alone(c)}
+    run(engine, rec, {0: [a], 2: [b], 5: [c]})
+    ev = rec.events
+    after_c = [e for e in ev[rec.first("started", 3):] if e[0] == "chunk"]
+    assert after_c[0] == ("chunk", 3)  # the next chunk is C's (its whole prompt)
+    assert ("chunk", 2) in after_c[1:]  # B still had chunks to go
+    assert rec.first("token", 3) < rec.first("token", 2)
+    assert rec.ids == want
+    assert rec.stats[2].prefill_wait_ms > 0  # B waited behind C's chunk
+    assert rec.stats[3].prefill_wait_ms == 0
+
+
+def test_a_lone_prompt_being_prefilled_lets_a_short_one_ahead(slowed, alone):
+    """B alone (the fast path) is prefilling when C arrives: C's first token still comes before B's."""
+    engine, rec = slowed
+    b, c = gen(2, LONG, max_tokens=4), gen(3, short_prompt(3), max_tokens=4)
+    want = {2: alone(b), 3: alone(c)}
+    run(engine, rec, {0: [b], 3: [c]})
+    assert rec.first("token", 3) < rec.first("token", 2)
+    assert rec.ids == want
+
+
+def test_a_stream_of_long_prompts_does_not_starve_a_short_one(slowed, alone):
+    """Long prompts keep arriving; a short one arriving among them is prefilled at once, and long ones
+    take turns: none is passed over more than MAX_SKIPS chunks in a row."""
+    engine, rec = slowed
+    longs = [gen(10 + k, long_prompt(k, 4), max_tokens=2) for k in range(4)]
+    c = gen(3, short_prompt(4), max_tokens=4)
+    want = {r.id: alone(r) for r in [*longs, c]}
+    run(engine, rec, {0: longs[:2], 2: [longs[2], c], 3: [longs[3]]})
+    assert all(rec.first("token", 3) < rec.first("token", r.id) for r in longs)
+    assert rec.ids == want
+    for r in longs:  # each waits at most MAX_SKIPS chunks, and its turn among the others passed over
+        assert longest_pass_over(rec, r.id) <= MAX_SKIPS + len(longs)
+
+
+def test_a_flood_of_short_prompts_does_not_starve_a_long_one(slowed, alone):
+    """While B prefills, a short prompt is always waiting (the next arrives as soon as the last is
+    prefilled): B still gets a chunk at least once in every MAX_SKIPS + 1, and its first token comes
+    while the flood goes on."""
+    engine, rec = slowed
+    b = gen(2, LONG, max_tokens=2)
+    shorts = [gen(100 + k, short_prompt(k), max_tokens=1) for k in range(12 * (MAX_SKIPS + 1) + 8)]
+    want = {2: alone(b), **{s.id: alone(s) for s in shorts}}
+    engine.submit(b, rec)
+    sent = 0
+    while engine.busy:
+        waiting = engine._waiting or any(p.seq.req.id != 2 for p in engine._prefills)
+        if sent < len(shorts) and not waiting:
+            engine.submit(shorts[sent], rec)
+            sent += 1
+        engine.step()
+    assert rec.first("token", 2) < rec.first("started", shorts[-1].id)
+    assert longest_pass_over(rec, 2) == MAX_SKIPS  # passed over, but never more than the bound
+    assert rec.ids == want
+
+
+def test_no_budget_keeps_mlx_lm_prefill_and_identity(tiny_model, alone):
+    """prefill_budget_ms=0: mlx-lm's own prefill, as before; each request's tokens are its tokens alone."""
+    e = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=0, prefill_step_size=STEP,
+                                                 prompt_cache_bytes=0))
+    assert not e.scheduled
+    reqs = [gen(1, short_prompt(5), 20), gen(2, LONG, 4), gen(3, short_prompt(6), 4)]
+    rec = Events()
+    run(e, rec, {0: reqs[:1], 2: reqs[1:2], 4: reqs[2:]})
+    assert rec.ids == {r.id: alone(r) for r in reqs}
+
+
+def test_cancel_and_failure_during_prefill_end_that_request_alone(slowed, alone):
+    """B cancelled between two of its chunks ends as cancelled, D whose chunk raises fails alone; A keeps
+    its tokens, and the engine ends idle and serves the next request as alone."""
+    engine, rec = slowed
+    a, b, d = gen(1, short_prompt(7), 30), gen(2, LONG, 4), gen(4, long_prompt(9, 3), 4)
+    c = gen(3, short_prompt(8), 4)
+    want = {1: alone(a), 3: alone(c)}
+    engine.model = Failing(engine, engine.model._model, rec.events, req_id=4)
+    engine.submit(a, rec)
+    for _ in range(3):
+        engine.step()
+    engine.submit(b, rec)
+    engine.submit(d, rec)
+    engine.step()  # D has the fewest tokens left: its chunk raises, then B's first chunk runs
+    engine.step()
+    assert engine.cancel(2)
+    while engine.busy:
+        engine.step()
+    assert isinstance(rec.errors[4], BatchStepError) and rec.stats[2].finish_reason == "cancelled"
+    assert ("chunk", 2) in rec.events and 2 not in rec.ids and 4 not in rec.ids
+    engine.submit(c, rec)
+    while engine.busy:
+        engine.step()
+    assert rec.ids == want and not engine._prefills
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_prefill_figures_cross_the_wire(tiny_model, transport):
+    """A worker process reports each request's prefill_ms, prefill_wait_ms and longest_gap_ms."""
+    with Runtime(model=tiny_model, transport=transport, engine=EngineOptions(prompt_cache_bytes=0)) as rt:
+        c = rt.generate("The harbour was quiet that night and the boats " * 6, max_tokens=6, ignore_eos=True)
+    assert c.stats.prefill_ms > 0 and c.stats.longest_gap_ms > 0 and c.stats.prefill_wait_ms == 0
+
+
+def test_chunks_follow_the_measured_rate_within_their_bounds():
+    """A chunk is the measured tokens/ms times the budget left, in multiples of 64, within
+    [32, prefill_step_size]; before any measure it is the floor; with no budget, the step size."""
+    sizer = ChunkSizer(200, 2048)
+    assert sizer.size() == 32
+    sizer.record(640, 0.2)  # 3.2 tokens/ms
+    assert sizer.size() == 640 and sizer.size(spent_ms=100) == 320 and sizer.size(spent_ms=199) == 32
+    sizer.record(20_000, 0.2)  # a faster machine: the average climbs, the step size caps it
+    assert sizer.size() == 2048
+    assert ChunkSizer(0, 2048).size() == 2048
+
+
+def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):
+    """A negative budget is refused naming the field; MLXRT_PREFILL_BUDGET_MS sets it."""
+    with pytest.raises(ValueError, match="prefill_budget_ms"):
+        EngineOptions(prefill_budget_ms=-1).validate()
+    monkeypatch.setenv("MLXRT_PREFILL_BUDGET_MS", "75")
+    assert engine_from_env().prefill_budget_ms == 75
+
+
+def longest_pass_over(rec: Events, rid: int) -> int:
+    """The most chunks of other requests in a row while `rid` was admitted and not yet prefilled."""
+    lo, hi = rec.first("started", rid), max(i for i, e in enumerate(rec.events) if e == ("chunk", rid))
+    longest = run_ = 0
+    for e in rec.events[lo:hi]:
+        if e[0] == "chunk":
+            run_ = 0 if e[1] == rid else run_ + 1
+            longest = max(longest, run_)
+    return longest
