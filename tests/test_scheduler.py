@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import TRANSPORTS
 from mlxrt import Runtime
 from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
 from mlxrt.orchestrator.config import engine_from_env
 from mlxrt.worker.engine import BatchStepError, Engine
 from mlxrt.worker.prefill import MAX_SKIPS, ChunkSizer
+from support import TRANSPORTS
 
 STEP = 32
 SLOW_S = 0.005

@@ -436,3 +436,18 @@ def test_llama_and_gemma_encode_with_bos(loaded):
         assert tokenizer.encode("Hi")[0] == bos_id
         ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
         assert ids[0] == bos_id and ids.count(bos_id) == 1
+
+
+def test_building_a_model_leaves_its_preset_as_it_was():
+    """Building every tiny preset's model changes nothing in the preset (mlx-lm's model args rewrite
+    nested config dicts in place): its marker stays, so a made model is never made again."""
+    import copy
+
+    from mlxrt.synthetic.build import _build
+    from mlxrt.synthetic.presets import PRESETS
+
+    for name in [p for p in PRESETS if p.startswith("tiny")]:
+        spec = PRESETS[name]
+        before = copy.deepcopy(spec)
+        _build(spec, 0)
+        assert spec == before, name

@@ -7,6 +7,7 @@ here before any worker starts (`orchestrator/options.py`). `build.py` writes the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -155,7 +156,9 @@ class Preset:
     def config(self) -> dict[str, Any]:
         """config.json before quantization, as the family's checkpoint has it (keys sorted)."""
         fam, ids = self.fam, self.special_ids
-        shape = {**fam.defaults, **self.shape, "vocab_size": self.vocab_size}
+        # A deep copy: mlx-lm's model args rewrite nested dicts (rope_parameters) in place, which would
+        # change the preset, and so its marker, once a model is built: every later check rewrote it.
+        shape = copy.deepcopy({**fam.defaults, **self.shape, "vocab_size": self.vocab_size})
         cfg: dict[str, Any] = {
             "architectures": [fam.architecture],
             "bos_token_id": ids[fam.bos or fam.pad or fam.eos[0]],
