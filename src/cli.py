@@ -145,12 +145,33 @@ def _engine_options(args: argparse.Namespace):
     if getattr(args, "trust_remote_code", False):
         given["trust_remote_code"] = True
     if args.command == "serve" and base.prompt_cache_dir is None and "prompt_cache_dir" not in given:
-        given["prompt_cache_dir"] = os.path.expanduser(DEFAULT_DISK_CACHE_DIR)  # a server keeps its prefixes
+        given["prompt_cache_dir"] = _default_disk_dir()  # a server keeps its prefixes
     return msgspec.structs.replace(base, **given).validate()
 
 
-#: Where `mlxrt serve` keeps the prefix cache's disk tier unless told (--prompt-cache-dir).
-DEFAULT_DISK_CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlxrt", "prompt-cache")
+def _default_disk_dir() -> str | None:
+    """serve's default disk tier directory; None (the tier off, with a warning) where it cannot be
+    written: a read-only home must not stop a server that was never asked for one."""
+    from .ipc.protocol import InvalidField
+    from .orchestrator.options import writable_dir
+
+    try:
+        return writable_dir(default_disk_cache_dir(), "prompt_cache_dir")
+    except InvalidField as exc:
+        structlog.get_logger("mlxrt.cli").warning("disk_cache.off", reason=str(exc),
+                                                  hint="give --prompt-cache-dir DIR to keep prefixes on disk")
+        return None
+
+
+#: Where `mlxrt serve` keeps the prefix cache's disk tier unless told (--prompt-cache-dir), under the
+#: user's cache directory ($XDG_CACHE_HOME, else ~/.cache).
+DEFAULT_DISK_CACHE_DIR = "$XDG_CACHE_HOME/mlxrt/prompt-cache"
+
+
+def default_disk_cache_dir() -> str:
+    """`DEFAULT_DISK_CACHE_DIR` for this user, as a path."""
+    return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache"), "mlxrt",
+                        "prompt-cache")
 
 #: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens, gather_ms,
 #: prefill_budget_ms and prompt_cache_disk_bytes are mlxrt's own.

@@ -100,18 +100,6 @@ def test_the_disk_tier_stays_within_its_byte_budget(tmp_path):
     assert sum(p.stat().st_size for p in entries(tmp_path)) <= budget
 
 
-def test_two_engines_writing_one_prefix_leave_one_entry(tmp_path):
-    """Two workers keeping the same prefix: one entry per prefix, whole."""
-    a, b = engine("tiny", tmp_path), engine("tiny", tmp_path)
-    ids_a, _ = ask(a, 1)
-    ids_b, _ = ask(b, 1)
-    a.close()
-    b.close()
-    assert ids_a == ids_b
-    names = [p.name for p in entries(tmp_path)]
-    assert names and len(names) == len(set(names))
-
-
 def test_a_directory_that_goes_away_turns_the_tier_off(tmp_path):
     """The directory replaced by a file mid-run: writes fail, the tier turns off, serving goes on."""
     root = tmp_path / "cache"
@@ -154,3 +142,82 @@ def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path, tiny_mo
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--prompt-cache-dir" in out.stderr and "not a directory" in out.stderr
+
+
+def kv_cache(tokens: int):
+    """A one-layer KVCache holding `tokens` positions of zeros."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, tokens, 16)), mx.zeros((1, 2, tokens, 16)))
+    return [c]
+
+
+def test_a_burst_of_writes_past_the_queue_flushes_promptly(tmp_path):
+    """More writes than the queue holds: the oldest waiting ones are dropped, the rest land, and a flush
+    returns as soon as the writer is done (no waiting on writes that were dropped)."""
+    from mlxrt.worker.disk_cache import MAX_QUEUED_WRITES, DiskTier
+
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    for i in range(4 * MAX_QUEUED_WRITES):
+        tier.put([i] * 40, kv_cache(40))
+    assert tier.flush(timeout=60)
+    assert tier._queue.unfinished_tasks == 0
+    assert 1 <= tier.writes <= 4 * MAX_QUEUED_WRITES and len(entries(tmp_path)) == tier.writes
+    tier.close()
+
+
+def test_two_tiers_writing_one_prefix_at_once_leave_one_whole_entry(tmp_path):
+    """Two workers writing the same prefix concurrently: one entry, which loads."""
+    from mlxrt.worker.disk_cache import DiskTier
+
+    tiers = [DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"]) for _ in range(2)]
+    ids = list(range(64))
+    for t in tiers:
+        t.put(ids, kv_cache(64))
+    for t in tiers:
+        t.close()
+    assert len(entries(tmp_path)) == 1
+    reader = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    found = reader.find([*ids, 1], 0)
+    assert found is not None and reader.load(found, [*ids, 1]) is not None
+    reader.close()
+
+
+def test_a_scan_skips_vanished_entries_and_clears_stale_writes(tmp_path):
+    """An entry gone between the listing and its stat is skipped (the tier stays on); a temporary file
+    left by a killed writer is removed once stale; one being written now is left alone."""
+    import os
+    import time
+
+    from mlxrt.worker.disk_cache import STALE_TMP_S, DiskTier
+
+    root = tmp_path / "id"
+    root.mkdir()
+    (root / "40-deadbeef.safetensors").symlink_to(tmp_path / "gone")  # listed, but stat fails
+    stale, fresh = root / ".tmp-1-2-abc.safetensors", root / ".tmp-3-4-def.safetensors"
+    for f in (stale, fresh):
+        f.write_bytes(b"half")
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    assert tier.enabled and len(tier) == 0
+    assert not stale.exists() and fresh.exists()
+    tier.close()
+
+
+def test_serve_without_a_writable_cache_home_keeps_serving(monkeypatch, tmp_path):
+    """serve's default disk tier under a cache home it cannot write: the tier is off with a warning,
+    not a refusal to start (the user never asked for it)."""
+    from mlxrt.cli import _engine_options, build_parser
+
+    home = tmp_path / "file"
+    home.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.delenv("MLXRT_PROMPT_CACHE_DIR", raising=False)
+    opts = _engine_options(build_parser().parse_args(["serve", "--model", "m"]))
+    assert opts.prompt_cache_dir is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    opts = _engine_options(build_parser().parse_args(["serve", "--model", "m"]))
+    assert opts.prompt_cache_dir == str((tmp_path / "cache" / "mlxrt" / "prompt-cache").resolve())

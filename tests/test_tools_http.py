@@ -400,6 +400,10 @@ BAD = [
      '"llama:latest" does not support thinking'),
     ("/api/generate", {"model": "qwen2.5", "prompt": "Hi", "think": True},
      '"qwen2.5" does not support thinking'),
+    ("/api/generate", {"model": "qwen2.5", "prompt": "Hi", "raw": True, "think": True},
+     '"qwen2.5" does not support thinking'),
+    ("/api/generate", {"model": "llama", "think": True}, '"llama" does not support thinking'),  # a load
+    ("/api/chat", {"model": "gemma3", "messages": [], "tools": TOOLS}, "gemma3 does not support tools"),
     ("/api/chat", {"model": "qwen3", "messages": ASK, "think": "extreme"}, "think"),
     ("/v1/chat/completions", {"model": "qwen3", "messages": ASK, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": 3,

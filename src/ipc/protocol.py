@@ -258,8 +258,9 @@ MIN_AUTO_PROMPT_CACHE_BYTES = 1 << 30
 MAX_AUTO_PROMPT_CACHE_BYTES = 64 << 30
 #: Padded tokens per embedding pass: 32 inputs of 512 tokens (a 0.6B model's activations: under 1 GB).
 DEFAULT_EMBED_BATCH_TOKENS = 16384
-#: The disk tier's byte budget when none is given: room for a few agents' 40k-token sessions on an 8B.
-DEFAULT_PROMPT_CACHE_DISK_BYTES = 32 << 30
+#: The disk tier's byte budget when none is given, per model and option set (its directory): about 120k
+#: tokens of an 8B model's KV (a few agents' sessions), a small share of a laptop's SSD.
+DEFAULT_PROMPT_CACHE_DISK_BYTES = 16 << 30
 #: An H200's agents sent their next turns 5-25 ms apart after their replies ended on one step
 #: (docs/benchmarks/gpu-h200-families.md#reading-it-2): the window covers that with room.
 DEFAULT_GATHER_MS = 50

@@ -168,6 +168,7 @@ class Pool:
         until one was ready: the worker checks then), as the frame for a new request id."""
         name = request.model or self.default_model
         ready = next((s.ready for s in self.model_slots(request.model) if s.ready is not None), None)
+        request.params.validate()  # a Request built by hand has not been through `Request.build`
         check_model(request, ready, name)
         return request.to_wire(self.next_id())
 

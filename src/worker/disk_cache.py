@@ -38,11 +38,13 @@ import os
 import queue
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import structlog
+from mlx.utils import tree_map
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
@@ -57,8 +59,14 @@ RESCAN_S = 2.0
 MIN_TOKENS = 32
 #: Until a load is measured, the disk is taken to read this fast (bytes/s); a laptop's SSD reads more.
 ASSUMED_READ_BPS = 500e6
-#: Entries queued for writing at most; past that the oldest waiting write is dropped.
+#: Entries queued for writing at most, and their bytes at most (snapshots held outside the memory
+#: tier's cap): past either, the oldest waiting write is dropped.
 MAX_QUEUED_WRITES = 8
+MAX_QUEUED_BYTES = 4 << 30
+#: At shutdown, queued writes get this long (s) to land: under the worker's MLXRT_SHUTDOWN_TIMEOUT_S.
+DEFAULT_FLUSH_S = 5.0
+#: A temporary file this old (s) is a write that a killed process left behind: removed at a scan.
+STALE_TMP_S = 600.0
 
 
 #: A lone sequence's KV cache may be quantized (--kv-bits): it stands where the model's `KVCache` does.
@@ -93,6 +101,10 @@ def model_identity(path: str, extra: dict[str, object]) -> str:
     return h.hexdigest()[:32]
 
 
+def _contiguous(x: object) -> object:
+    return mx.contiguous(x) if isinstance(x, mx.array) else x
+
+
 def _unlink(path: Path) -> None:
     """Remove `path` if it is there; a directory gone meanwhile is no error."""
     try:
@@ -102,7 +114,19 @@ def _unlink(path: Path) -> None:
 
 
 def _digest(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:40]
+    return _digests(ids, [len(ids)])[len(ids)]
+
+
+def _digests(ids: list[int], lengths: list[int]) -> dict[int, str]:
+    """The digest of ``ids[:n]`` for each n of `lengths`, hashing `ids` once (a running hash copied at
+    each length)."""
+    data = array("q", ids).tobytes()
+    h, at, out = hashlib.sha256(), 0, {}
+    for n in sorted(lengths):
+        h.update(data[at * 8 : n * 8])
+        at = n
+        out[n] = h.copy().hexdigest()[:40]
+    return out
 
 
 class DiskTier:
@@ -123,6 +147,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._scanned = 0.0
         self._queue: queue.Queue = queue.Queue()
+        self._queued: list[int] = []  # the bytes of each write still waiting, oldest first
+        self._dropped = 0  # waiting writes the writer is to skip (the oldest), past the queue's bounds
         self._thread: threading.Thread | None = None
         if not self.enabled:
             if max_bytes > 0:
@@ -166,9 +192,9 @@ class DiskTier:
             for e in self._entries.values():
                 if longer_than < e.tokens < len(ids):
                     by_length.setdefault(e.tokens, []).append(e)
+        digests = _digests(ids, list(by_length))
         for n in sorted(by_length, reverse=True):
-            digest = _digest(ids[:n])
-            match = next((e for e in by_length[n] if e.digest == digest), None)
+            match = next((e for e in by_length[n] if e.digest == digests[n]), None)
             if match is not None:
                 return match
         return None
@@ -187,6 +213,10 @@ class DiskTier:
         try:
             cache, meta = load_prompt_cache(str(entry.path), return_metadata=True)
             mx.eval([c.state for c in cache])
+        except FileNotFoundError:  # evicted meanwhile, by this process or another worker: a miss
+            with self._lock:
+                self._entries.pop(entry.digest, None)
+            return None
         except Exception as exc:  # truncated, corrupt, or not a cache file at all
             self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
             return None
@@ -224,28 +254,44 @@ class DiskTier:
 
     # -- writes (background) ---------------------------------------------------
     def put(self, tokens: list[int], cache: list) -> None:
-        """Queue `cache` (holding exactly `tokens`) to be written; called on the MLX thread, which
-        evaluates it first so the writer only reads memory."""
+        """Queue `cache` (holding exactly `tokens`) to be written. Called on the MLX thread, which takes
+        an evaluated, contiguous snapshot of its arrays, so the writer thread runs no MLX operation: it
+        only serializes memory. A failure here turns the tier off, never fails a request."""
         if not self.enabled or len(tokens) < MIN_TOKENS:
             return
-        digest = _digest(list(tokens))
+        try:
+            digest = _digest(list(tokens))
+            with self._lock:
+                known = self._entries.get(digest)
+                if known is not None and known.verified:
+                    return
+            snapshot = [type(c).from_state(tree_map(_contiguous, c.state)) for c in cache]
+            mx.eval([c.state for c in snapshot])
+            nbytes = sum(c.nbytes for c in snapshot)
+        except Exception as exc:  # a cache kind whose state does not round-trip, say
+            self._off(f"cannot snapshot a cache to write: {type(exc).__name__}: {exc}")
+            return
         with self._lock:
-            known = self._entries.get(digest)
-            if known is not None and known.verified:
-                return
-        mx.eval([c.state for c in cache])
-        if self._queue.qsize() >= MAX_QUEUED_WRITES:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                pass
-        self._queue.put((list(tokens), digest, cache))
+            self._queued.append(nbytes)
+            while len(self._queued) > 1 and (len(self._queued) > MAX_QUEUED_WRITES
+                                             or sum(self._queued) > MAX_QUEUED_BYTES):
+                self._queued.pop(0)
+                self._dropped += 1  # the writer skips the oldest waiting write
+        self._queue.put((list(tokens), digest, snapshot, nbytes))
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until the queued writes are on disk (tests, shutdown), at most `timeout` s."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the queued writes are on disk (tests, shutdown), at most `timeout` s (default
+        MLXRT_DISK_CACHE_FLUSH_S, else 5); False, with a warning naming the knob, if they did not land."""
+        if timeout is None:
+            timeout = float(os.environ.get("MLXRT_DISK_CACHE_FLUSH_S") or DEFAULT_FLUSH_S)
         deadline = time.monotonic() + timeout
         while self._thread is not None and self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
+        left = self._queue.unfinished_tasks if self._thread is not None else 0
+        if left:
+            log.warning("disk_cache.flush_timeout", queued=left, timeout_s=timeout,
+                        hint="queued prefixes were not written (set MLXRT_DISK_CACHE_FLUSH_S)")
+        return not left
 
     def _write_loop(self) -> None:
         while True:
@@ -253,8 +299,14 @@ class DiskTier:
             try:
                 if item is None:
                     return
-                if self.enabled:
-                    self._write(*item)
+                with self._lock:
+                    skip = self._dropped > 0
+                    if skip:
+                        self._dropped -= 1
+                    elif self._queued:
+                        self._queued.pop(0)
+                if self.enabled and not skip:
+                    self._write(*item[:3])
             finally:
                 self._queue.task_done()
 
@@ -263,6 +315,8 @@ class DiskTier:
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{digest}{SUFFIX}"
         try:
             save_prompt_cache(str(tmp), cache, {TOKENS_KEY: json.dumps(tokens), IDENTITY_KEY: self.identity})
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())  # on disk before it has its name: a power cut leaves no torn entry
             os.replace(tmp, final)  # atomic: readers see the whole file or none
             nbytes = final.stat().st_size
         except Exception as exc:  # a full disk, a directory taken away: off, serving goes on
@@ -292,16 +346,23 @@ class DiskTier:
     def _scan(self) -> None:
         """Read the directory: every entry, by the length and digest in its name."""
         found: dict[str, Entry] = {}
+        now = time.time()
         try:
             with os.scandir(self.dir) as it:
                 for f in it:
                     name = f.name
+                    try:
+                        st = f.stat()
+                    except FileNotFoundError:  # removed meanwhile (evicted here or by another worker)
+                        continue
+                    if name.startswith(".tmp-") and now - st.st_mtime > STALE_TMP_S:
+                        _unlink(Path(f.path))  # a write its process never finished (killed mid-write)
+                        continue
                     if name.startswith(".") or not name.endswith(SUFFIX):
                         continue
                     length, _, digest = name[: -len(SUFFIX)].partition("-")
                     if not length.isdigit() or not digest:
                         continue
-                    st = f.stat()
                     found[digest] = Entry(int(length), digest, Path(f.path), st.st_size, st.st_mtime)
         except OSError as exc:
             self._off(f"cannot read {self.dir}: {exc}")

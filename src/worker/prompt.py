@@ -23,6 +23,7 @@ from ..ipc.protocol import (
     ChatOptions,
     EngineOptions,
     Generate,
+    InvalidField,
 )
 
 DEFAULT_CONTEXT_LENGTH = 4096
@@ -100,12 +101,15 @@ def check_request(chat: ChatOptions | None, caps: Capabilities, model: str) -> N
     if chat is None:
         return
     if chat.wants_thinking and not caps.thinking:
-        raise ValueError(f"model {model} does not support thinking")
+        raise InvalidField("think", f": model {model} does not support thinking", code="unsupported",
+                           capability="thinking")
     if chat.tools and not caps.tools:
-        raise ValueError(f"model {model} does not support tools (mlx-lm has no tool-call parser for it)")
+        raise InvalidField("tools", f": model {model} does not support tools (mlx-lm has no tool-call parser "
+                                    "for it)", code="unsupported", capability="tools")
     if chat.forces_call and caps.tools not in FORCED_TOOL_FORMATS:
-        raise ValueError(f"model {model} cannot be forced to call a tool: its tool format {caps.tools!r} "
-                         f"has no grammar (forced: {list(FORCED_TOOL_FORMATS)})")
+        raise InvalidField("tool_choice", f": model {model} cannot be forced to call a tool: its tool format "
+                           f"{caps.tools!r} has no grammar (forced: {list(FORCED_TOOL_FORMATS)})",
+                           code="unsupported", capability="forced tool calls")
 
 
 def reasoning_open(tokenizer, caps: Capabilities, prompt: list[int]) -> bool:

@@ -451,7 +451,7 @@ class AnthropicApi:
             return await self.svc.start(request, endpoint, rt_req, NAMES, t0)
         except HttpError as exc:
             late = late_system_turn(req)
-            if late is None or exc.status != 400 or not exc.message.startswith("Template"):
+            if late is None or exc.status != 400 or exc.param != "messages":  # the template refused it
                 raise
             param = f"messages[{late}].role"
             raise HttpError(400, f"{param}: the model's chat template cannot take a system turn after the "

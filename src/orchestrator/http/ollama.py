@@ -38,6 +38,7 @@ from ...ipc.protocol import (
     TokenLogprob,
     ToolCall,
 )
+from ..chat import missing_capability
 from ..errors import MlxrtError
 from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
@@ -217,6 +218,14 @@ def refusal(requested: str):
     return word
 
 
+def refuse_lacking(svc: Service, model: str, requested: str, *, think: object, tools: bool) -> None:
+    """Ollama's 400 for thinking or tools the model lacks, where no request reaches the runtime to
+    check it (a load with no prompt, a raw prompt asked to think), as Ollama checks those too."""
+    missing = missing_capability(svc.capabilities(model), thinking=think not in (None, False), tools=tools)
+    if missing is not None:
+        raise refusal(requested)(InvalidField(missing, "", code="unsupported", capability=missing))
+
+
 def generate_request(req: OllamaGenerateRequest, model: str, defaults: Mapping[str, Any],
                      keep_alive: float | None) -> RtRequest:
     """The runtime's `Request` for /api/generate; `defaults`: the model's default sampling."""
@@ -339,8 +348,10 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         think = req.think is not False
-        if not req.prompt:
+        if not req.prompt or req.raw:  # no chat template: the runtime sees no thinking to check
             think_param(req)  # a bad think is refused even here
+            refuse_lacking(self.svc, model, req.model, think=req.think, tools=False)
+        if not req.prompt:
             return await self._load_or_unload(model, keep_alive, OllamaGenerateChunk(
                 model=req.model, created_at=iso_now(), response=""))
         rt_req = self.svc.build(OPTION_NAMES, generate_request, req, model, self.svc.sampling_defaults(model),
@@ -367,6 +378,8 @@ class OllamaApi:
         keep_alive = parse_keep_alive(req.keep_alive)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself
         if not chat_prompt(req):
+            think_param(req)
+            refuse_lacking(self.svc, model, req.model, think=req.think, tools=bool(req.tools))
             message = OllamaMessageOut(content="")
             return await self._load_or_unload(model, keep_alive, OllamaChatChunk(
                 model=req.model, created_at=iso_now(), message=message))

@@ -275,15 +275,6 @@ class Service:
             self._facts[name] = ModelFacts.read(self.model_refs.get(name, name))
         return self._facts[name]
 
-    def vocab_size(self, name: str) -> int:
-        """The model's vocabulary size, 0 if unknown (then nothing is checked against it).
-
-        From the model's workers' Ready report, else from its config.json (the key the
-        worker reads).
-        """
-        info = self.rt.model_info(name)
-        return info.vocab_size if info is not None and info.vocab_size else self.facts(name).vocab_size
-
     def sampling_defaults(self, name: str) -> dict[str, Any]:
         """The model's default sampling (`--temp`, `--top-p`, ...): what a request leaves out."""
         return self.rt.model_options(name).sampling_defaults()
