@@ -302,3 +302,16 @@ def longest_pass_over(rec: Events, rid: int) -> int:
             run_ = 0 if e[1] == rid else run_ + 1
             longest = max(longest, run_)
     return longest
+
+
+def test_the_budget_left_on_auto_schedules_off_cuda(tiny_model):
+    """prefill_budget_ms left on auto: the scheduler runs on the CPU (and Metal), with the default budget;
+    MLX's CUDA backend keeps mlx-lm's prefill unless a budget is given (measured there: the docs)."""
+    from mlxrt.ipc.protocol import DEFAULT_PREFILL_BUDGET_MS
+    from mlxrt.worker.limits import on_cuda
+
+    assert EngineOptions().prefill_budget_ms is None
+    e = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
+    assert e.scheduled is (not on_cuda())
+    if e.scheduled:
+        assert e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS

@@ -342,7 +342,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES
     #: Prefill time between two decode steps, ms: a long prompt is prefilled in chunks sized to it
     #: on this machine (docs/engine.md, the prefill scheduler); 0: mlx-lm's own prefill, as before.
-    prefill_budget_ms: int = DEFAULT_PREFILL_BUDGET_MS
+    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`, but 0 on MLX's CUDA backend, where the chunks cost a
+    #: long prompt 3.8x its TTFT on an H200 (docs/benchmarks/gpu-h200-agents-disk.md).
+    prefill_budget_ms: int | None = None
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -353,7 +355,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
                "must be >= 0", self.prompt_cache_bytes)
         _check(self.prompt_cache_disk_bytes >= 0, "prompt_cache_disk_bytes", "must be >= 0",
                self.prompt_cache_disk_bytes)
-        _check(0 <= self.prefill_budget_ms <= MAX_PREFILL_BUDGET_MS, "prefill_budget_ms",
+        _check(self.prefill_budget_ms is None or 0 <= self.prefill_budget_ms <= MAX_PREFILL_BUDGET_MS,
+               "prefill_budget_ms",
                f"must be in [0, {MAX_PREFILL_BUDGET_MS}]", self.prefill_budget_ms)
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(0 <= self.gather_ms <= MAX_GATHER_MS, "gather_ms", f"must be in [0, {MAX_GATHER_MS}]",

@@ -155,5 +155,5 @@ def engine_from_env() -> EngineOptions:
         gather_ms=_env_int("MLXRT_GATHER_MS", b.gather_ms),
         prompt_cache_dir=os.environ.get("MLXRT_PROMPT_CACHE_DIR") or None,
         prompt_cache_disk_bytes=_env_int("MLXRT_PROMPT_CACHE_DISK_BYTES", b.prompt_cache_disk_bytes),
-        prefill_budget_ms=_env_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),
+        prefill_budget_ms=_env_opt_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),
     ).validate()

@@ -68,6 +68,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
+    DEFAULT_PREFILL_BUDGET_MS,
     Embed,
     EngineOptions,
     EngineReport,
@@ -83,7 +84,7 @@ from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
-from .limits import auto_prompt_cache_bytes, prefill_steps, prefill_token_cap
+from .limits import auto_prompt_cache_bytes, on_cuda, prefill_steps, prefill_token_cap
 from .logprobs import TokenBytes, token_logprobs
 from .prefill import ChunkSizer, Prefill, passed_over, pick, run_chunk, split_last
 from .prefix_cache import PrefixCache
@@ -213,8 +214,11 @@ class Engine(PromptBuilder):
         self._admitted = 0
         #: Prompt tokens prefilled outside the batch (the scheduler's chunks and the fast path's).
         self.prefill_tokens = 0
-        self.scheduled = o.prefill_budget_ms > 0 and group is None
-        self.sizer = ChunkSizer(o.prefill_budget_ms if self.scheduled else 0, self.prefill.solo)
+        budget = o.prefill_budget_ms
+        if budget is None:  # auto: see EngineOptions.prefill_budget_ms for CUDA's measured cost
+            budget = 0 if on_cuda() else DEFAULT_PREFILL_BUDGET_MS
+        self.scheduled = budget > 0 and group is None
+        self.sizer = ChunkSizer(budget if self.scheduled else 0, self.prefill.solo)
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
 
