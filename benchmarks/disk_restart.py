@@ -52,7 +52,7 @@ def turn(model: str, messages: list[dict[str, str]], cache_dir: str | None, toke
     return {"ttft_ms": (first - sent) * 1e3, "worker_queue_ms": stats.queue_ms,
             "worker_ttft_ms": stats.ttft_ms,
             "cached_tokens": stats.cached_tokens, "prompt_tokens": stats.prompt_tokens, "tokens": ids,
-            "start_s": started, "disk_cache_hits": sum(m.disk_cache_hits for m in memory)}
+            "start_s": started, "disk_cache_hits": sum(m.disk_cache.hits for m in memory if m.disk_cache)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ def test_a_new_engine_starts_from_the_prefixes_on_disk(tmp_path, preset, options
     assert warm == cold
     assert warm_stats.cached_tokens > 0
     report = second.report()
-    assert report.disk_cache_hits >= 1 and report.disk_cache_entries >= 1
+    assert report.disk_cache.hits >= 1 and report.disk_cache.entries >= 1
     second.close()
 
 
@@ -62,7 +62,7 @@ def test_a_corrupt_entry_is_removed_never_loaded(tmp_path):
     second = engine("tiny", tmp_path)
     warm, stats = ask(second, 2)
     assert warm == cold and stats.cached_tokens == 0
-    assert second.report().disk_cache_removed >= 1
+    assert second.report().disk_cache.removed >= 1
     second.close()
     assert all(p.stat().st_size > 100 for p in entries(tmp_path))  # only whole entries written since
 
@@ -85,7 +85,7 @@ def test_another_models_entry_is_never_used(tmp_path):
     third = engine("tiny", tmp_path)
     again, stats = ask(third, 3)
     assert again == cold and stats.cached_tokens == 0
-    assert third.report().disk_cache_removed >= 1
+    assert third.report().disk_cache.removed >= 1
     third.close()
 
 
@@ -109,7 +109,7 @@ def test_a_directory_that_goes_away_turns_the_tier_off(tmp_path):
         d.write_bytes(b"not a directory")
     ids, _ = ask(e, 1)
     e.close()
-    assert len(ids) == 12 and not e.report().disk_cache_entries
+    assert len(ids) == 12 and not e.report().disk_cache.entries
     assert e._disk is not None and not e._disk.enabled
 
 
@@ -124,7 +124,8 @@ def test_runtime_restart_reuses_a_chat_prefix(tmp_path, tiny_model):
     with Runtime(model=tiny_model, engine=opts) as rt:
         warm = rt.generate(msgs, max_tokens=8, ignore_eos=True)
         (memory,) = rt.memory()
-    assert memory.disk_cache_hits >= 1 and memory.disk_cache_entries >= 1 and memory.disk_cache_bytes > 0
+    disk = memory.disk_cache
+    assert disk is not None and disk.hits >= 1 and disk.entries >= 1 and disk.nbytes > 0
     assert warm.tokens == cold.tokens
     assert cold.stats.cached_tokens == 0 and warm.stats.cached_tokens > 0
 

@@ -20,7 +20,7 @@ import msgspec
 
 #: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;
 #: 6: InvalidField's field in Failed (kind, field); EngineOptions.prompt_cache_dir and
-#: prompt_cache_disk_bytes; EngineReport.disk_cache_*.
+#: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
 PROTOCOL_VERSION = 7
@@ -724,6 +724,19 @@ class MemoryReport(msgspec.Struct, kw_only=True):
     rss_bytes: int = 0
 
 
+class DiskCacheReport(msgspec.Struct, kw_only=True):
+    """The prefix cache's disk tier as one worker sees it (shared by the model's workers): bytes on disk,
+    its budget, entries, prefixes this worker loaded from it, entries it wrote, and entries it removed
+    as corrupt or foreign."""
+
+    nbytes: int = 0
+    cap_bytes: int = 0
+    entries: int = 0
+    hits: int = 0
+    writes: int = 0
+    removed: int = 0
+
+
 class EngineReport(msgspec.Struct, kw_only=True):
     """A worker's engine at one instant: its queue, its batch and its prefix cache."""
 
@@ -736,14 +749,8 @@ class EngineReport(msgspec.Struct, kw_only=True):
     prompt_cache_hits: int = 0
     prompt_cache_misses: int = 0
     cached_tokens_total: int = 0
-    #: The prefix cache's disk tier: bytes on disk, its budget, entries, prefixes loaded from it, entries
-    #: written, entries removed as corrupt or foreign (all 0 without a disk tier).
-    disk_cache_bytes: int = 0
-    disk_cache_cap_bytes: int = 0
-    disk_cache_entries: int = 0
-    disk_cache_hits: int = 0
-    disk_cache_writes: int = 0
-    disk_cache_removed: int = 0
+    #: The prefix cache's disk tier; None without one.
+    disk_cache: DiskCacheReport | None = None
 
 
 class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):

@@ -34,6 +34,7 @@ from ..ipc.protocol import (
     Cancel,
     ClearCache,
     DetailedTokens,
+    DiskCacheReport,
     Done,
     Embeddings,
     EngineOptions,
@@ -104,14 +105,9 @@ class WorkerMemory:
     prompt_cache_misses: int = 0
     cached_tokens: int = 0
     prompt_cache_cap_bytes: int = 0
-    #: The prefix cache's disk tier (shared by the model's workers): bytes on disk, its budget, entries,
-    #: prefixes this worker loaded from it, entries it wrote, and entries it removed as corrupt or foreign.
-    disk_cache_bytes: int = 0
-    disk_cache_cap_bytes: int = 0
-    disk_cache_entries: int = 0
-    disk_cache_hits: int = 0
-    disk_cache_writes: int = 0
-    disk_cache_removed: int = 0
+    #: The prefix cache's disk tier (`DiskCacheReport`: bytes, budget, entries, hits, writes, removed);
+    #: None without one.
+    disk_cache: DiskCacheReport | None = None
 
 
 @dataclass(frozen=True)

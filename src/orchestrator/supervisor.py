@@ -460,9 +460,7 @@ class Slot:
             prompt_cache_bytes=e.prompt_cache_bytes, prompt_cache_entries=e.prompt_cache_entries,
             prompt_cache_hits=e.prompt_cache_hits, prompt_cache_misses=e.prompt_cache_misses,
             cached_tokens=e.cached_tokens_total, prompt_cache_cap_bytes=e.prompt_cache_cap_bytes,
-            disk_cache_bytes=e.disk_cache_bytes, disk_cache_cap_bytes=e.disk_cache_cap_bytes,
-            disk_cache_entries=e.disk_cache_entries, disk_cache_hits=e.disk_cache_hits,
-            disk_cache_writes=e.disk_cache_writes, disk_cache_removed=e.disk_cache_removed,
+            disk_cache=e.disk_cache,
         )
 
     def close(self, drain_s: float = 0.0) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from ..ipc.protocol import EngineReport
+from ..ipc.protocol import DiskCacheReport, EngineReport
 
 if TYPE_CHECKING:
     from .disk_cache import DiskTier
@@ -155,10 +155,7 @@ class PrefixCache:
         report.prompt_cache_misses = self.misses
         report.cached_tokens_total = self.cached_tokens
         if self.disk is not None:
-            report.disk_cache_bytes = self.disk.nbytes
-            report.disk_cache_cap_bytes = self.disk.max_bytes
-            report.disk_cache_entries = len(self.disk)
-            report.disk_cache_hits = self.disk.hits
-            report.disk_cache_writes = self.disk.writes
-            report.disk_cache_removed = self.disk.removed
+            d = self.disk
+            report.disk_cache = DiskCacheReport(nbytes=d.nbytes, cap_bytes=d.max_bytes, entries=len(d),
+                                                hits=d.hits, writes=d.writes, removed=d.removed)
         return report
