@@ -268,7 +268,8 @@ def test_soak_smoke_writes_sane_series(tiny_model, tmp_path):
     for r in rows:
         t, tokens_now = float(r["t_s"]), int(r["tokens_total"])
         rate = (tokens_now - prev_tokens) / (t - prev_t)
-        assert float(r["tok_s"]) == pytest.approx(rate, rel=0.01, abs=0.01)
+        # 5%: the row's time and its token count are read a moment apart (a fresh-clone CI run saw 1.2%)
+        assert float(r["tok_s"]) == pytest.approx(rate, rel=0.05, abs=0.01)
         prev_t, prev_tokens = t, tokens_now
         assert int(r["rss_total_bytes"]) == int(r["rss_orchestrator_bytes"]) + int(r["rss_workers_bytes"])
         assert int(r["rss_workers_bytes"]) > 0
