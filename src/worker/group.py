@@ -53,7 +53,6 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -327,13 +326,7 @@ class LeaderServer(Server):
                     # Then an empty step, so the others know rank 0 lives; a hold ends by its deadline.
                     self._cond.wait(min(held, heartbeat) if held else heartbeat)
                     held = self._held(time.perf_counter())
-                stopping = self._stopping
-                inbox = deque()
-                if not held or stopping:  # held requests stay queued while the running ones decode
-                    inbox, self._inbox = self._inbox, deque()
-                cancels, self._cancels = self._cancels, []
-                clear, self._clear_cache = self._clear_cache, False
-                dropped = self._drop_held(cancels)
+                stopping, inbox, cancels, clear, dropped = self._take(held)
             for req in dropped:  # cancelled while held back: it never reached any rank's engine
                 self.done(req.id, Stats(finish_reason="cancelled"), "")
             work = bool(inbox or cancels or clear or stopping)

@@ -266,13 +266,7 @@ class Server:
                             or engine.busy:
                         break
                     self._cond.wait(held or None)  # a hold ends by its deadline, or when more arrive
-                stopping = self._stopping
-                inbox = deque()
-                if not held or stopping:  # held requests stay queued while the running ones decode
-                    inbox, self._inbox = self._inbox, deque()
-                cancels, self._cancels = self._cancels, []
-                clear, self._clear_cache = self._clear_cache, False
-                dropped = self._drop_held(cancels)
+                stopping, inbox, cancels, clear, dropped = self._take(held)
             if stopping:
                 self._end_all(inbox)
                 return
@@ -293,6 +287,18 @@ class Server:
         if not self._inbox:
             return 0.0
         return self._gather.hold(len(self._inbox), self._inbox[0][1], now)
+
+    def _take(self, held: float) -> tuple[bool, deque, list[int], bool, list[Generate | Embed]]:
+        """What the MLX thread acts on now (under the lock): whether to stop, the requests to admit (none
+        while `held` > 0 s, unless stopping), the cancels, whether to clear the cache, and the held
+        requests those cancels dropped."""
+        stopping = self._stopping
+        inbox: deque = deque()
+        if not held or stopping:  # held requests stay queued while the running ones decode
+            inbox, self._inbox = self._inbox, deque()
+        cancels, self._cancels = self._cancels, []
+        clear, self._clear_cache = self._clear_cache, False
+        return stopping, inbox, cancels, clear, self._drop_held(cancels)
 
     def _drop_held(self, cancels: list[int]) -> list[Generate | Embed]:
         """Take the held-back requests that `cancels` name out of the inbox (under the lock)."""
