@@ -331,9 +331,10 @@ def run_handed_over(engine: Engine, first: Generate, second: Generate, after: in
     return rec
 
 
-def run_batch(engine: Engine, reqs: list[Generate]) -> Recorder:
-    """Submit every request at once and step the engine until all have ended."""
-    rec = Recorder()
+def run_batch(engine: Engine, reqs: list[Generate], rec=None):
+    """Submit every request at once and step the engine until all have ended; `rec` (any listener, a new
+    `Recorder` unless given) hears every event, and is returned."""
+    rec = Recorder() if rec is None else rec
     for r in reqs:
         engine.submit(r, rec)
     while engine.busy:

@@ -22,6 +22,7 @@ from mlxrt.worker.reply import (
     TagSplitter,
     make_splitter,
 )
+from support import run_batch
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -341,11 +342,7 @@ def test_forced_reply_splits_inside_a_batch(engine, name):
 
 
 def run(eng: Engine, reqs: list[Generate]) -> Parted:
-    rec = Parted()
-    for r in reqs:
-        eng.submit(r, rec)
-    while eng.busy:
-        eng.step()
+    rec = run_batch(eng, reqs, Parted())
     assert not rec.errors, rec.errors
     return rec
 
