@@ -233,11 +233,16 @@ class Engine(PromptBuilder):
         try:
             if isinstance(req, Embed):
                 raise ModelKindError(f"model {self.path} is not an embedding model: it has no embeddings")
-            seq = self._sequence(req, listener, queued_at or time.perf_counter())
+            seqs = self._sequences(req, listener, queued_at or time.perf_counter())
         except Exception as exc:
             listener.failed(req.id, exc)
             return
-        self._waiting.append(seq)
+        for seq in seqs:
+            if seq.ended:  # resumed where its reply had already ended: the worker that died missed its end
+                seq.listener.started(req.id)
+                self._send_done(seq, seq.ended)
+            else:
+                self._waiting.append(seq)
 
     def prepare(self, req: Generate) -> None:
         """What can be done for `req` off the MLX thread, before `submit` (any thread): compile its
@@ -448,8 +453,9 @@ class Engine(PromptBuilder):
             raise box.error
 
     # -- a request's way in ----------------------------------------------------
-    def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
-        """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`."""
+    def _sequences(self, req: Generate, listener: Listener, queued_at: float) -> list[Sequence]:
+        """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`;
+        a resumed request's choices that had not ended, each on its own (their replies differ)."""
         p = req.params
         p.check_vocabulary(self.vocab_size)
         check_request(req.chat, self.capabilities, self.path)
@@ -458,13 +464,21 @@ class Engine(PromptBuilder):
         reuse = self.prefix_cache.enabled and req.messages
         system_end = self.system_end(req, ids) if reuse else 0
         turn_end = self._turn_end(req, ids) if reuse else 0
+        resume = req.resume
+        choices = [i for i in range(p.n) if resume is None or i not in resume.ended]
         # Only requests that ask for log-probabilities or several choices get the choices' listeners.
         group = ChoiceGroup(listener, p.n) if p.n > 1 or p.logprobs is not None else None
+        if group is not None:
+            group.left = len(choices)
         seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, turn_end=turn_end,
                              queued_at=queued_at, listener=listener if group is None else group.choices[i])
-                for i in range(p.n)]
+                for i in choices]
+        if resume is not None:
+            for seq, i in zip(seqs, choices, strict=True):
+                seq.replay(resume.tokens[i] if i < len(resume.tokens) else [], resume.count)
+            return seqs
         seqs[0].forks = seqs[1:]
-        return seqs[0]
+        return seqs[:1]
 
     def _choice(self, req: Generate, ids: list[int], index: int, *, grammar: Grammar | None,
                 system_end: int, turn_end: int, queued_at: float, listener: Listener) -> Sequence:
@@ -873,6 +887,10 @@ class Engine(PromptBuilder):
         if seq.first_at and seq.admitted_at and seq.first_at > seq.admitted_at:
             prefilled = len(seq.ids) - seq.cached_tokens
             self.prefix_cache.note_prefill(prefilled, prefilled / (seq.first_at - seq.admitted_at))
+        self._send_done(seq, reason)
+
+    def _send_done(self, seq: Sequence, reason: str) -> None:
+        """The reply's last text (held back until now) and its stats, to its listener."""
         rest = seq.text.finish()
         if seq.reply is None:
             seq.listener.done(seq.req.id, seq.stats(reason), rest)
