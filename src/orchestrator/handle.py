@@ -200,8 +200,11 @@ class WorkerHandle:
         argv: list[str] | None = None,
         on_exit: ExitCallback = _fail_all,
         prompt_cache_share: int = 1,
+        device: str | None = None,
     ) -> None:
         self.model = model
+        #: The GPU this worker may use (its CUDA_VISIBLE_DEVICES), on a host of several; None: as inherited.
+        self.device = device
         self.engine = engine or EngineOptions()
         #: How many workers split the auto prompt cache cap (`Hello.prompt_cache_share`).
         self.prompt_cache_share = prompt_cache_share
@@ -264,6 +267,7 @@ class WorkerHandle:
             stderr=subprocess.PIPE,
             pass_fds=pass_fds,
             bufsize=0,
+            env=None if self.device is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.device},
             **self._popen_extra(),
         )
         self.pid = self.proc.pid
