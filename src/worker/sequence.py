@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 EmitFn = Callable[[int, str], None]
 
 
+class BatchStepError(RuntimeError):
+    """A batch step failed; every request in that batch fails with this."""
+
+
 class Listener(Protocol):
     """Where one request's events go; called on the engine's thread, in this order:
     started, token..., then done or failed (failed may also come alone, before started).
