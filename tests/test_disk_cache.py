@@ -6,12 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from mlxrt import InvalidField, Runtime
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.synthetic.build import ensure_model
 from mlxrt.worker.engine import Engine
-from support import chat, gen, run_alone
+from support import chat, gen, metric, run_alone, running, wait_for
 
 QUESTION = "What is the weather like by the sea today?"
 
@@ -128,6 +129,26 @@ def test_runtime_restart_reuses_a_chat_prefix(tmp_path, tiny_model):
     assert disk is not None and disk.hits >= 1 and disk.entries >= 1 and disk.nbytes > 0
     assert warm.tokens == cold.tokens
     assert cold.stats.cached_tokens == 0 and warm.stats.cached_tokens > 0
+
+
+def test_metrics_show_the_prefix_cache_and_its_disk_tier(tmp_path, tiny_model):
+    """/metrics, per model and worker: the prefix cache's bytes and hits, and the disk tier's entries,
+    bytes and writes once the background writer has written the chat's prefix."""
+    opts = EngineOptions(prompt_cache_dir=str(tmp_path))
+    body = {"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "system", "content": "You answer at length about the sea. " * 8},
+        {"role": "user", "content": QUESTION}]}
+    with running({"tiny": tiny_model}, engine=opts) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as http:
+        for _ in range(2):
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        labels = {"model": "tiny", "worker": srv.rt.workers[0].name}
+        written = lambda: metric(http, "mlxrt_prompt_cache_disk_writes_total", **labels) >= 1  # noqa: E731
+        wait_for(written, 30, "a disk write")
+        assert metric(http, "mlxrt_prompt_cache_hits_total", **labels) >= 1
+        assert metric(http, "mlxrt_prompt_cache_bytes", **labels) > 0
+        assert metric(http, "mlxrt_prompt_cache_disk_entries", **labels) >= 1
+        assert metric(http, "mlxrt_prompt_cache_disk_bytes", **labels) > 0
 
 
 def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path, tiny_model):

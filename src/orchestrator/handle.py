@@ -135,6 +135,8 @@ class WorkerMemory:
     #: The prefix cache's disk tier (`DiskCacheReport`: bytes, budget, entries, hits, writes, removed);
     #: None without one.
     disk_cache: DiskCacheReport | None = None
+    #: The model this worker serves.
+    model: str = ""
 
 
 @dataclass(frozen=True)

@@ -479,7 +479,7 @@ class Slot:
             prompt_cache_bytes=e.prompt_cache_bytes, prompt_cache_entries=e.prompt_cache_entries,
             prompt_cache_hits=e.prompt_cache_hits, prompt_cache_misses=e.prompt_cache_misses,
             cached_tokens=e.cached_tokens_total, prompt_cache_cap_bytes=e.prompt_cache_cap_bytes,
-            disk_cache=e.disk_cache,
+            disk_cache=e.disk_cache, model=self.model_name,
         )
 
     def close(self, drain_s: float = 0.0) -> None:

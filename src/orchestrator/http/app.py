@@ -42,6 +42,8 @@ log = structlog.get_logger("mlxrt.http")
 OPEN_PATHS = frozenset({"/health"})
 #: Worker states that can take a request now ("unloaded" reloads on demand).
 SERVING_STATES = frozenset({"ready", "busy", "unloaded"})
+#: How long /metrics waits for each worker's memory report (its prefix cache and disk tier figures).
+METRICS_MEMORY_TIMEOUT_S = 1.0
 
 
 # ---- /health and /metrics ----------------------------------------------------
@@ -157,7 +159,8 @@ def create_app(
         return json_response(body, 200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
+        memory = await rt.memory(timeout=METRICS_MEMORY_TIMEOUT_S)  # a worker that does not answer: left out
+        return Response(svc.metrics.render(memory), media_type=svc.metrics.content_type)
 
     routes = [
         Route("/health", health, methods=["GET"]),

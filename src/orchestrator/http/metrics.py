@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..handle import WorkerInfo
+from ..handle import WorkerInfo, WorkerMemory
 
 #: Reported even when zero, so the series exist; any other state a worker reports is added.
 WORKER_STATES = ("starting", "ready", "busy", "draining", "dead", "failed", "unloaded", "stopped")
@@ -88,6 +88,43 @@ class _Workers:
         yield queued
 
 
+class _Caches:
+    """Each worker's prefix cache and its disk tier, from the memory reports read at the scrape (one
+    round trip per worker, `AsyncRuntime.memory`); the disk tier is shared by a model's workers, so each
+    of them reports the same bytes and entries, and its own hits and writes."""
+
+    def __init__(self) -> None:
+        self.reports: list[WorkerMemory] = []
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "worker"]
+        series = [
+            (GaugeMetricFamily, "mlxrt_prompt_cache_bytes", "Bytes held by each worker's prefix cache.",
+             lambda m: m.prompt_cache_bytes),
+            (CounterMetricFamily, "mlxrt_prompt_cache_hits", "Prefix cache lookups that found a prefix.",
+             lambda m: m.prompt_cache_hits),
+            (GaugeMetricFamily, "mlxrt_prompt_cache_disk_bytes", "Bytes of the prefix cache's disk tier.",
+             lambda m: m.disk_cache and m.disk_cache.nbytes),
+            (GaugeMetricFamily, "mlxrt_prompt_cache_disk_entries", "Entries of the prefix cache's disk tier.",
+             lambda m: m.disk_cache and m.disk_cache.entries),
+            (CounterMetricFamily, "mlxrt_prompt_cache_disk_hits", "Prefixes each worker loaded from disk.",
+             lambda m: m.disk_cache and m.disk_cache.hits),
+            (CounterMetricFamily, "mlxrt_prompt_cache_disk_writes", "Entries each worker wrote to disk.",
+             lambda m: m.disk_cache and m.disk_cache.writes),
+            (CounterMetricFamily, "mlxrt_prompt_cache_disk_removed",
+             "Disk entries each worker removed as corrupt, foreign or unreadable.",
+             lambda m: m.disk_cache and m.disk_cache.removed),
+        ]
+        for kind, name, doc, value in series:
+            family = kind(name, doc, labels=labels)
+            for m in self.reports:
+                family.add_metric([m.model, m.name], value(m) or 0)
+            yield family
+
+
 class Metrics:
     """Every series the server exports; `render()` gives the text exposition."""
 
@@ -130,6 +167,10 @@ class Metrics:
         self.embedded_tokens = Counter("mlxrt_embedded_tokens", "Tokens of the inputs embedded.",
                                        ["model"], registry=r)
         r.register(_Workers(workers))
+        self._caches = _Caches()
+        r.register(self._caches)
 
-    def render(self) -> bytes:
+    def render(self, memory: list[WorkerMemory] | None = None) -> bytes:
+        """The exposition; `memory`: the workers' memory reports read for this scrape (their caches)."""
+        self._caches.reports = memory or []
         return generate_latest(self.registry)
