@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,33 @@ def test_a_directory_that_goes_away_turns_the_tier_off(tmp_path):
     e.close()
     assert len(ids) == 12 and not e.report().disk_cache.entries
     assert e._disk is not None and not e._disk.enabled
+
+
+FULL_DISK = """
+import json, resource, signal, sys
+from pathlib import Path
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing us
+sys.path.insert(0, sys.argv[2])
+from test_disk_cache import ask, engine
+e = engine("tiny", Path(sys.argv[1]))
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # no file past 4 KB: a full disk
+lengths = [len(ask(e, i)[0]) for i in (1, 2)]
+e.close()
+print(json.dumps({"lengths": lengths, "enabled": e._disk.enabled, "entries": e.report().disk_cache.entries}))
+"""
+
+
+def test_a_full_disk_turns_the_tier_off_and_serving_goes_on(tmp_path):
+    """Every write fails for want of room (a file size limit, as a full disk fails them): the tier turns
+    off with one warning, no half-written file stays, and both requests are answered."""
+    root = tmp_path / "cache"
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(root), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got == {"lengths": [12, 12], "enabled": False, "entries": 0}
+    assert out.stdout.count("disk_cache.off") == 1, out.stdout
+    assert not [p for p in root.rglob("*") if p.is_file()]
 
 
 def test_runtime_restart_reuses_a_chat_prefix(tmp_path, tiny_model):
