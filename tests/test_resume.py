@@ -132,6 +132,15 @@ def test_quantized_kv_reply_resumes_exactly(engine):
     check_resumed(eng, gen(1, "Quantized and resumed", max_tokens=16), 5)
 
 
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8, "seed": 4}], ids=["greedy", "seeded"])
+def test_drafted_reply_resumes_exactly(engine, params):
+    """Speculative decoding (a noisy draft of the model, on the lone-request fast path): a greedy or seeded
+    reply resumed after 9 tokens is the uninterrupted one (the draft's cache is prefilled from the
+    resumed prompt too)."""
+    eng = engine("tiny", draft_model="synthetic:tiny?noise=0.05", prompt_cache_bytes=0)
+    check_resumed(eng, gen(1, "Drafted and resumed", max_tokens=30, **params), 9)
+
+
 def test_seeded_choices_resume_exactly_and_ended_ones_are_not_redone(engine):
     """n = 2, seeded, with log-probabilities: each choice resumed from its own cut is its uninterrupted
     reply; a choice that had ended is not generated again, and the request's last end is final."""
