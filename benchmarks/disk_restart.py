@@ -22,13 +22,12 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from mlxrt import EngineOptions, Runtime
 
 from . import runner
-from .e2e import make_prompt
+from .e2e import make_prompt, model_tokenizer
 
 STUDY = "disk-restart"
 
@@ -63,11 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8, help="tokens generated per turn (default 8)")
     runner.add_json_arg(p, study=STUDY)
     args = p.parse_args(argv)
-    from mlx_lm.utils import load_tokenizer
-    from mlxrt.worker.engine import resolve_model_path
-
-    path = resolve_model_path(args.model)
-    tokenizer = load_tokenizer(Path(path))
+    path, tokenizer = model_tokenizer(args.model)
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         ids, _ = make_prompt(tokenizer, args.prefix_tokens, start=7 * r)

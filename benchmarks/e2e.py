@@ -21,6 +21,17 @@ from .scenarios import Embedded, Native, Skipped
 WARMUP_TOKENS = 16
 
 
+def model_tokenizer(model: str) -> tuple[str, Any]:
+    """`model` (a path, Hugging Face id or ``synthetic:PRESET``) as a local path, and its tokenizer."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer
+    from mlxrt.worker.engine import resolve_model_path
+
+    path = resolve_model_path(model)
+    return path, load_tokenizer(Path(path))
+
+
 def make_prompt(tokenizer: Any, n: int, *, start: int = 0) -> tuple[list[int], bool]:
     """`n` ids of English text (the synthetic corpus from paragraph `start`) that survive decode -> encode.
 

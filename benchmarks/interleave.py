@@ -190,15 +190,9 @@ def make_targets(model: str, model_path: str, http: bool) -> list[Any]:
 
 
 def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
-    from mlx_lm.utils import load_tokenizer
-    from mlxrt.worker.engine import resolve_model_path
+    from .e2e import make_prompt, model_tokenizer
 
-    from .e2e import make_prompt
-
-    path = resolve_model_path(args.model)
-    from pathlib import Path
-
-    tok = load_tokenizer(Path(path))
+    path, tok = model_tokenizer(args.model)
     targets = make_targets(args.model, path, args.http)
     rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
     try:
