@@ -52,6 +52,8 @@ from .sequence import Sequence, unsample
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
 CLEAR_CACHE_EVERY = 256
+#: A resumed reply's tokens replayed one a model call are queued this many to one evaluation (a step).
+SINGLES_PER_CALL = 32
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class Solo:
             segments[-2] = segments[-2][:-1]
         #: The prompt still to prefill, by segment; the last is the prompt's last token.
         self.segments = segments
+        #: A resumed reply (`Sequence.replay`): the prefill's last tokens, fed one a call as they were
+        #: decoded, so their keys and values are the ones the uninterrupted run had, bit for bit (a chunk
+        #: sums in another order; in bfloat16 on a GPU a greedy reply then parts from it at a near-tie).
+        self._singles = seq.resumed
         #: Responses so far, as `GenerationBatch` counts them for max_tokens.
         self.n = 0
         self._step_size = prefill_step_size
@@ -122,10 +128,16 @@ class Solo:
         after the last. True at an inner segment's end."""
         if len(self.segments) > 1:
             seg, size = self.segments[0], size or self._step_size
+            singles = self._singles if len(self.segments) == 2 else 0
+            if singles >= len(seg):  # the resumed reply's tokens, as decode steps: one a model call
+                size = min(size, SINGLES_PER_CALL)
+            elif singles:
+                size = min(size, len(seg) - singles)
             chunk, self.segments[0] = seg[:size], seg[size:]
             with mx.stream(self._stream):
-                self.model(mx.array(chunk)[None], cache=self.cache)
-                quantize(self.cache, self._kv)
+                for piece in ([[t] for t in chunk] if singles >= len(seg) else [chunk]):
+                    self.model(mx.array(piece)[None], cache=self.cache)
+                    quantize(self.cache, self._kv)
                 mx.eval([c.state for c in self.cache])
             mx.clear_cache()
             self.tokens += chunk
