@@ -205,8 +205,8 @@ def kv_cache(tokens: int):
 
 
 def test_a_burst_of_writes_past_the_queue_flushes_promptly(tmp_path):
-    """More writes than the queue holds: the oldest waiting ones are dropped, the rest land, and a flush
-    returns as soon as the writer is done (no waiting on writes that were dropped)."""
+    """More writes than the queue holds: those past its bounds are refused (counted), the ones queued
+    first land, and a flush returns as soon as the writer is done."""
     from mlxrt.worker.disk_cache import MAX_QUEUED_WRITES, DiskTier
 
     tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
@@ -215,6 +215,7 @@ def test_a_burst_of_writes_past_the_queue_flushes_promptly(tmp_path):
     assert tier.flush(timeout=60)
     assert tier._queue.unfinished_tasks == 0
     assert 1 <= tier.writes <= 4 * MAX_QUEUED_WRITES and len(entries(tmp_path)) == tier.writes
+    assert tier.writes + tier.skipped == 4 * MAX_QUEUED_WRITES
     tier.close()
 
 

@@ -60,7 +60,7 @@ MIN_TOKENS = 32
 #: Until a load is measured, the disk is taken to read this fast (bytes/s); a laptop's SSD reads more.
 ASSUMED_READ_BPS = 500e6
 #: Entries queued for writing at most, and their bytes at most (snapshots held outside the memory
-#: tier's cap): past either, the oldest waiting write is dropped.
+#: tier's cap): past either, a new write is refused (`put`).
 MAX_QUEUED_WRITES = 8
 MAX_QUEUED_BYTES = 4 << 30
 #: At shutdown, queued writes get this long (s) to land: under the worker's MLXRT_SHUTDOWN_TIMEOUT_S.
@@ -148,7 +148,8 @@ class DiskTier:
         self._scanned = 0.0
         self._queue: queue.Queue = queue.Queue()
         self._queued: list[int] = []  # the bytes of each write still waiting, oldest first
-        self._dropped = 0  # waiting writes the writer is to skip (the oldest), past the queue's bounds
+        #: Writes refused while the writer was behind (the queue's bounds): those prefixes stay in memory.
+        self.skipped = 0
         self._thread: threading.Thread | None = None
         if not self.enabled:
             if max_bytes > 0:
@@ -261,9 +262,17 @@ class DiskTier:
             return
         try:
             digest = _digest(list(tokens))
+            size = sum(c.nbytes for c in cache)
             with self._lock:
                 known = self._entries.get(digest)
                 if known is not None and known.verified:
+                    return
+                if self._queued and (len(self._queued) >= MAX_QUEUED_WRITES
+                                     or sum(self._queued) + size > MAX_QUEUED_BYTES):
+                    # The writer is behind: the newest prefix is refused, before any copy is made. It is
+                    # the one the memory tier (least recently used out first) keeps longest; the older
+                    # ones queued ahead of it are those it evicts first.
+                    self.skipped += 1
                     return
             snapshot = [type(c).from_state(tree_map(_contiguous, c.state)) for c in cache]
             mx.eval([c.state for c in snapshot])
@@ -273,10 +282,6 @@ class DiskTier:
             return
         with self._lock:
             self._queued.append(nbytes)
-            while len(self._queued) > 1 and (len(self._queued) > MAX_QUEUED_WRITES
-                                             or sum(self._queued) > MAX_QUEUED_BYTES):
-                self._queued.pop(0)
-                self._dropped += 1  # the writer skips the oldest waiting write
         self._queue.put((list(tokens), digest, snapshot, nbytes))
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -299,14 +304,10 @@ class DiskTier:
             try:
                 if item is None:
                     return
-                with self._lock:
-                    skip = self._dropped > 0
-                    if skip:
-                        self._dropped -= 1
-                    elif self._queued:
-                        self._queued.pop(0)
-                if self.enabled and not skip:
+                if self.enabled:
                     self._write(*item[:3])
+                with self._lock:
+                    self._queued.pop(0)
             finally:
                 self._queue.task_done()
 
