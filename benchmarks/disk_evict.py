@@ -49,8 +49,8 @@ def one_arm(model: str, chats: list[list[dict[str, str]]], memory_bytes: int, ca
             out.append({"ttft_ms": (first - sent) * 1e3, "cached_tokens": s.cached_tokens,
                         "prompt_tokens": s.prompt_tokens, "tokens": ids})
         disk = [m.disk_cache for m in rt.memory() if m.disk_cache]
-        for row in out:
-            row["disk_hits"] = sum(d.hits for d in disk)
+        for row in out:  # the run's totals, on each row
+            row.update({f"disk_{k}": sum(getattr(d, k) for d in disk) for k in ("hits", "writes", "skipped")})
     return out
 
 
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nreturning turns, {args.sessions} sessions x {args.rounds} rounds, memory tier "
           f"{args.memory_bytes / 2**20:.0f} MiB, prompt {arms['disk'][0]['prompt_tokens']} tokens:")
     for name, f in figures.items():
-        print(f"  {name:<12} TTFT {f['ttft_ms']} ms, hit rate {f['hit_rate']:.2f}")
+        disk = {k: rows[-1][f"disk_{k}"] for k in ("hits", "writes", "skipped")} if name == "disk" else ""
+        print(f"  {name:<12} TTFT {f['ttft_ms']} ms, hit rate {f['hit_rate']:.2f} {disk}")
     doc = {"benchmark": STUDY, "env": runner.environment(), "args": vars(args), "figures": figures,
            "turns": {n: [{k: v for k, v in x.items() if k != "tokens"} for x in rows]
                      for n, rows in arms.items()},

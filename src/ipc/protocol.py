@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-#: 8: Generate.resume, Stats.resumes.
+#: 8: Generate.resume, Stats.resumes, DiskCacheReport.skipped.
 #: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;
 #: 6: InvalidField's field in Failed (kind, field); EngineOptions.prompt_cache_dir and
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
@@ -752,6 +752,8 @@ class DiskCacheReport(msgspec.Struct, kw_only=True):
     hits: int = 0
     writes: int = 0
     removed: int = 0
+    #: Writes refused while the writer was behind (those prefixes stayed in memory only).
+    skipped: int = 0
 
 
 class EngineReport(msgspec.Struct, kw_only=True):

@@ -157,5 +157,6 @@ class PrefixCache:
         if self.disk is not None:
             d = self.disk
             report.disk_cache = DiskCacheReport(nbytes=d.nbytes, cap_bytes=d.max_bytes, entries=len(d),
-                                                hits=d.hits, writes=d.writes, removed=d.removed)
+                                                hits=d.hits, writes=d.writes, removed=d.removed,
+                                                skipped=d.skipped)
         return report
