@@ -93,7 +93,8 @@ FAMILIES: dict[str, Family] = {
     ),
     # Qwen2.5-VL as mlx-vlm loads it: the language model's keys at the top, "vision_config" beside them.
     "qwen2_5_vl": Family(
-        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _QWEN_VL_SPECIALS, ("<|im_end|>", "<|endoftext|>"),
+        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _QWEN_VL_SPECIALS,
+        ("<|im_end|>", "<|endoftext|>"),
         chatml_template(default_system="You are a helpful assistant.", thinking=None, vision=True),
         pad="<|endoftext|>", text_tags=_QWEN_TEXT_TAGS, tokenizer_class="Qwen2Tokenizer",
         defaults={"attention_dropout": 0.0, "hidden_act": "silu", "rms_norm_eps": 1e-6,

@@ -32,7 +32,8 @@ def build_vision(spec: Preset, seed: int) -> tuple[nn.Module, dict[str, Any]]:
     model_config = update_module_configs(arch.ModelConfig.from_dict(loaded), arch, loaded, ["text", "vision"])
     model = arch.Model(model_config)
     params = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
-    weights = {name: _draw(name, tuple(p.shape), seed=seed, dtype=spec.dtype, norm_weight=spec.fam.norm_weight)
+    norm = spec.fam.norm_weight
+    weights = {name: _draw(name, tuple(p.shape), seed=seed, dtype=spec.dtype, norm_weight=norm)
                for name, p in params}
     model.load_weights(list(weights.items()))  # strict: every parameter drawn, shapes as built
     return model, config
