@@ -55,8 +55,8 @@ from .prompt import (
 from .sequence import Listener, TextStream, make_request_processors, make_request_sampler
 
 #: Options the vision engine does not take: each is refused by name at load.
-UNSUPPORTED_OPTIONS = ("draft_model", "kv_bits", "max_kv_size", "adapter_path", "prompt_cache_file",
-                       "prompt_cache_dir")
+#: (The disk tier, `prompt_cache_dir`, which `mlxrt serve` turns on by default, is left unused, not refused.)
+UNSUPPORTED_OPTIONS = ("draft_model", "kv_bits", "max_kv_size", "adapter_path", "prompt_cache_file")
 #: The warm-up image's side, pixels: a few image tokens, enough to compile the vision tower's kernels.
 WARMUP_IMAGE_PX = 56
 

@@ -383,7 +383,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself
-        if not chat_prompt(req):
+        if not req.messages:  # a load or an unload: no prompt
             think_param(req)
             refuse_lacking(self.svc, model, req.model, think=req.think, tools=bool(req.tools))
             message = OllamaMessageOut(content="")

@@ -39,13 +39,14 @@ from starlette.requests import Request
 from starlette.responses import Response as HttpResponse
 from starlette.routing import Route
 
+from ...ipc.protocol import InvalidField
 from ..errors import MlxrtError
 from ..images import image_bytes
 from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .blocks import Block, BlockEvents, collect, reasoning_tokens
 from .body import convert
-from .errors import HttpError, from_runtime_error
+from .errors import HttpError, from_invalid_field, from_runtime_error
 from .responses_schemas import (
     ITEM_TYPES,
     ContentPartAdded,
@@ -224,7 +225,10 @@ def _user_content(i: int, content: str | list[Any]) -> str | list[dict[str, Any]
         if isinstance(part, InputImage):
             if part.image_url is None:
                 raise _unsupported(f"{field}.file_id", "an uploaded file (send image_url as a data URI)")
-            parts.append({"type": "image", "image": image_bytes(part.image_url, f"{field}.image_url")})
+            try:  # read outside `Service.build`: its 400 is made here
+                parts.append({"type": "image", "image": image_bytes(part.image_url, f"{field}.image_url")})
+            except InvalidField as exc:
+                raise from_invalid_field(exc, {}) from None
         elif isinstance(part, (InputText, OutputText, Refusal)):
             parts.append({"type": "text", "text": part.refusal if isinstance(part, Refusal) else part.text})
         else:

@@ -1,0 +1,332 @@
+"""Images through every API on a vision-language model: real worker processes running mlx-vlm on the
+tiny Qwen2.5-VL preset, a real `mlxrt serve` with the openai, anthropic and ollama clients, and the
+bad inputs that must be refused by name before they reach a worker."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+from mlxrt import InvalidField, RequestError, Runtime
+from mlxrt.orchestrator.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, sniff
+from support import assert_stopped, free_port
+
+pytest.importorskip("mlx_vlm", reason="the vision extra (pip install 'mlxrt[vision]')")
+from PIL import Image  # noqa: E402  (the vision extra brings Pillow)
+
+QUESTION = "What is in this picture?"
+
+
+def png(width: int, height: int, color=(200, 40, 40)) -> bytes:
+    """A `width` x `height` PNG of one colour with a gradient, so two sizes differ in their pixels."""
+    img = Image.new("RGB", (width, height), color)
+    for x in range(0, width, 7):
+        img.putpixel((x, x % height), (x % 256, 255 - x % 256, 90))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def jpeg(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 120, 220)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` and whose data is cut short (never decoded here)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat(image: bytes | list[bytes], text: str = QUESTION) -> list[dict]:
+    images = image if isinstance(image, list) else [image]
+    return [{"role": "user", "content": [*({"type": "image", "image": i} for i in images),
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def vl_model() -> str:
+    from mlxrt.synthetic.build import ensure_model
+
+    return str(ensure_model("tiny-qwen2.5-vl"))
+
+
+@pytest.fixture(scope="module")
+def rt(vl_model, tiny_model):
+    """A runtime with the vision model ("vl", the default) and a text model ("tiny"), real workers."""
+    runtime = Runtime(models={"vl": vl_model, "tiny": tiny_model}, transport="stdio")
+    pids = [w.pid for w in runtime.workers]
+    yield runtime
+    runtime.close()
+    assert_stopped(pids)
+
+
+# ---- the worker: mlx-vlm's model, the prefix cache ---------------------------------------------
+
+
+def test_greedy_reply_equals_mlx_vlm_generate(rt, vl_model):
+    """An image chat through a worker gives mlx-vlm's own in-process greedy tokens for the same prompt
+    and image, and counts the image's tokens in the prompt."""
+    from mlx_vlm import generate, load
+
+    image = png(120, 90)
+    c = rt.generate(chat(image), model="vl", max_tokens=12, ignore_eos=True)
+    model, processor = load(vl_model)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+        tokenize=False, add_generation_prompt=True)
+    ref = generate(model, processor, prompt, image=[Image.open(io.BytesIO(image))], max_tokens=12,
+                   temperature=0.0, verbose=False)
+    assert c.tokens == ref.token_ids[: len(c.tokens)] and len(c.tokens) == 12
+    assert c.stats.prompt_tokens == ref.prompt_tokens
+    text_only = rt.generate([{"role": "user", "content": QUESTION}], model="vl", max_tokens=1)
+    assert c.stats.prompt_tokens > text_only.stats.prompt_tokens + 4  # the image's tokens (4 at the least)
+
+
+def test_repeated_image_reuses_the_cache(rt):
+    """The same image and prompt again is served from the prefix cache (all but the last prompt token)
+    with the same tokens; another image is not."""
+    image = png(64, 64, (10, 200, 10))
+    first = rt.generate(chat(image), model="vl", max_tokens=8, ignore_eos=True)
+    again = rt.generate(chat(image), model="vl", max_tokens=8, ignore_eos=True)
+    other = rt.generate(chat(png(64, 64, (10, 10, 200))), model="vl", max_tokens=8, ignore_eos=True)
+    assert first.stats.cached_tokens == 0
+    assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
+    assert again.tokens == first.tokens
+    assert other.stats.cached_tokens == 0
+
+
+def test_images_as_data_uris_base64_and_bytes_are_one_request(rt):
+    """The Python API takes an image as bytes, a data URI (OpenAI's image_url part) or base64 in a message's
+    `images` (Ollama's): the same tokens each way; JPEG too."""
+    image = png(80, 50)
+    as_bytes = rt.generate(chat(image), model="vl", max_tokens=6, ignore_eos=True)
+    as_uri = rt.generate([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(image)}}, {"type": "text", "text": QUESTION}]}],
+        model="vl", max_tokens=6, ignore_eos=True)
+    b64 = base64.b64encode(image).decode()
+    as_b64 = rt.generate([{"role": "user", "content": QUESTION, "images": [b64]}], model="vl", max_tokens=6,
+                         ignore_eos=True)
+    assert as_bytes.tokens == as_uri.tokens == as_b64.tokens
+    two = rt.generate(chat([image, jpeg(40, 60)]), model="vl", max_tokens=2)
+    assert two.stats.prompt_tokens > as_bytes.stats.prompt_tokens
+
+
+def test_stop_strings_and_cancel_on_a_vision_model(rt):
+    """A vision model's reply streams, stops at max_tokens, and a stream closed early ends the request
+    (the worker serves the next one)."""
+    stream = rt.stream(chat(png(30, 30)), model="vl", max_tokens=200, ignore_eos=True)
+    for _ in stream:
+        break
+    stream.close()
+    c = rt.generate(chat(png(30, 30)), model="vl", max_tokens=3, ignore_eos=True)
+    assert c.finish_reason == "length" and len(c.tokens) == 3
+
+
+# ---- bad input, refused by name -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("image, words", [
+    (b"this is not an image", "not an image"),
+    (b"\x89PNG\r\n", "not an image"),
+    (png_header(20000, 20000), f"over the limit of {MAX_IMAGE_PIXELS}"),
+    (png_header(10, 10) + b"\0" * MAX_IMAGE_BYTES, f"over the limit of {MAX_IMAGE_BYTES}"),
+    ("https://example.com/cat.png", "not fetched"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+])
+def test_bad_images_are_refused_at_the_edge(rt, image, words):
+    """Bytes that are no image, an image over the byte or pixel limit, a remote URL and bad base64 are an
+    `InvalidField` naming the part, before any worker sees them."""
+    with pytest.raises(InvalidField) as exc:
+        rt.generate(chat(image), model="vl", max_tokens=2)  # type: ignore[arg-type]
+    assert exc.value.field == "messages[0].content[0].image" and words in str(exc.value)
+
+
+def test_too_many_images_are_refused(rt):
+    """More than MAX_IMAGES images in one request is refused, naming the messages."""
+    with pytest.raises(InvalidField) as exc:
+        rt.generate(chat([png(8, 8)] * (MAX_IMAGES + 1)), model="vl", max_tokens=2)
+    assert exc.value.field == "messages" and f"over the limit of {MAX_IMAGES}" in str(exc.value)
+
+
+def test_a_broken_image_fails_alone_in_the_worker(rt):
+    """An image whose header is sound but whose data is not fails in the worker as an invalid field,
+    alone: the same worker serves the next request."""
+    pid = rt.workers[0].pid
+    with pytest.raises(RequestError) as exc:
+        rt.generate(chat(png_header(64, 64) + b"garbage" * 10), model="vl", max_tokens=2)
+    assert exc.value.kind == "invalid" and exc.value.field == "images[0]"
+    assert rt.generate(chat(png(20, 20)), model="vl", max_tokens=2).tokens
+    assert pid in [w.pid for w in rt.workers]
+
+
+def test_a_text_model_refuses_images(rt):
+    """An image sent to a text-only model is refused by name, as a capability it lacks."""
+    rt.generate("warm", model="tiny", max_tokens=1)  # its worker is ready: the orchestrator checks
+    with pytest.raises(InvalidField) as exc:
+        rt.generate(chat(png(16, 16)), model="tiny", max_tokens=2)
+    assert exc.value.field == "messages[0]" and exc.value.capability == "vision"
+
+
+def test_headers_give_format_and_size():
+    """The orchestrator reads PNG, JPEG, GIF and WebP headers for their size without decoding them."""
+    for fmt in ("PNG", "JPEG", "GIF", "WEBP"):
+        buf = io.BytesIO()
+        Image.new("RGB", (37, 23)).save(buf, format=fmt)
+        info = sniff(buf.getvalue())
+        assert info is not None and (info.format, info.width, info.height) == (fmt.lower(), 37, 23)
+    assert sniff(b"BM" + b"\0" * 40) is None  # BMP is not taken
+
+
+# ---- every API through a real `mlxrt serve` -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(vl_model, tiny_model, tmp_path_factory):
+    """`mlxrt serve --model vl=... --model tiny=...` on 127.0.0.1; its URL and its log's path."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "--log-level", "info", "serve",
+                                 "--model", f"vl={vl_model}", "--model", f"tiny={tiny_model}",
+                                 "--port", str(port), "--transport", "stdio"],
+                                stdout=subprocess.DEVNULL, stderr=out, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"mlxrt serve did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+    yield url, log
+    proc.terminate()
+    proc.wait(60)
+
+
+IMAGE = png(100, 70)
+#: The image and question as OpenAI chat parts.
+OPENAI_PARTS = [{"type": "image_url", "image_url": {"url": data_uri(IMAGE)}},
+                {"type": "text", "text": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=server[0] + "/v1", api_key="x") as client:
+        yield client
+
+
+def openai_chat(client: openai.OpenAI, **kw):
+    """The greedy chat completion of IMAGE and QUESTION: the reference the other APIs are held to."""
+    return client.chat.completions.create(model="vl", max_tokens=5, temperature=0,
+                                          messages=[{"role": "user", "content": OPENAI_PARTS}], **kw)
+
+
+def test_openai_chat_image_url(oai):
+    """OpenAI chat completions take an image_url part as a data URI; usage counts the image's tokens."""
+    r = openai_chat(oai)
+    text_only = oai.chat.completions.create(model="vl", max_tokens=1,
+                                               messages=[{"role": "user", "content": QUESTION}])
+    assert r.choices[0].message.content and r.usage.completion_tokens <= 5
+    assert r.usage.prompt_tokens > text_only.usage.prompt_tokens + 4
+    chunks = openai_chat(oai, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content
+
+
+def test_responses_input_image(oai):
+    """The Responses API takes an input_image part (a data URI); the same reply and prompt tokens as chat."""
+    content = [{"type": "input_image", "image_url": data_uri(IMAGE)},
+               {"type": "input_text", "text": QUESTION}]
+    r = oai.responses.create(model="vl", max_output_tokens=5, temperature=0,
+                             input=[{"role": "user", "content": content}])
+    ref = openai_chat(oai)
+    assert r.output_text == ref.choices[0].message.content
+    assert r.usage.input_tokens == ref.usage.prompt_tokens
+
+
+def test_anthropic_image_block(server, oai):
+    """Anthropic Messages take a base64 image block; the same reply and prompt tokens as chat."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(IMAGE).decode()}}
+    with anthropic.Anthropic(base_url=server[0], api_key="x") as client:
+        msg = client.messages.create(model="vl", max_tokens=5, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}])
+    ref = openai_chat(oai)
+    assert msg.content[0].text == ref.choices[0].message.content
+    # Anthropic counts the prompt tokens read from the cache apart from the others.
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == ref.usage.prompt_tokens
+
+
+def test_ollama_images(server, oai):
+    """Ollama's chat and generate take `images` (base64): the same reply and prompt tokens as chat."""
+    b64 = base64.b64encode(IMAGE).decode()
+    options = {"num_predict": 5, "temperature": 0}
+    with ollama.Client(host=server[0]) as client:
+        r = client.chat(model="vl", messages=[{"role": "user", "content": QUESTION, "images": [b64]}],
+                        options=options)
+        g = client.generate(model="vl", prompt=QUESTION, images=[b64], options=options)
+    ref = openai_chat(oai)
+    assert r.message.content == g.response == ref.choices[0].message.content
+    assert r.prompt_eval_count == g.prompt_eval_count == ref.usage.prompt_tokens
+
+
+def test_http_bad_images_are_400s_naming_the_field(server):
+    """Each API's bad image is a 400 naming its own field, logged; the server goes on serving."""
+    url, log = server
+    with httpx.Client(base_url=url, timeout=60) as http:
+        _check_refusals(http, log)
+
+
+def _check_refusals(http: httpx.Client, log) -> None:
+    """Each case's 400 and the field it names; the refusals in the log; a good request after them."""
+    cases = [
+        ("/v1/chat/completions", {"model": "vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ("/v1/chat/completions", {"model": "vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(b"not an image")}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ("/v1/responses", {"model": "vl", "max_output_tokens": 2, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_uri(png_header(30000, 30000))}]}]},
+         "input[0].content[0].image_url"),
+        ("/v1/messages", {"model": "vl", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]},
+         "messages[0].content[0].source.url"),
+        ("/api/chat", {"model": "vl", "stream": False, "messages": [
+            {"role": "user", "content": "hi", "images": ["%%%"]}]}, "messages[0].images[0]"),
+        ("/api/generate", {"model": "vl", "stream": False, "prompt": "hi", "images": ["aGVsbG8="]},
+         "images[0]"),
+        ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(IMAGE)}}]}]}, "messages[0]"),
+    ]
+    for path, body, field in cases:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert field in r.text, (path, r.text)
+    logged = log.read_text()
+    assert "messages[0].content[0].source.url" in logged and "images[0]" in logged
+    ok = http.post("/v1/chat/completions", json={"model": "vl", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(IMAGE)}}]}]})
+    assert ok.status_code == 200
