@@ -279,6 +279,29 @@ def test_anthropic_image_block(server, oai):
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == ref.usage.prompt_tokens
 
 
+def test_anthropic_screenshot_in_a_tool_result(server):
+    """A coding agent's screenshot comes back in a tool_result block: with tools, the image reaches the
+    vision model (its tokens counted) as the tool turn's."""
+    tools = [{"name": "screenshot", "description": "Take a screenshot", "input_schema": {"type": "object"}}]
+
+    def turn(result: list[dict]) -> list[dict]:
+        return [{"role": "user", "content": "What is on my screen?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot",
+                                                   "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                              "content": result}]}]
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png(90, 60)).decode()}}
+    with anthropic.Anthropic(base_url=server[0], api_key="x") as client:
+        shot = client.messages.create(model="vl", max_tokens=3, tools=tools,
+                                      messages=turn([image, {"type": "text", "text": "the screen"}]))
+        words = client.messages.create(model="vl", max_tokens=3, tools=tools,
+                                       messages=turn([{"type": "text", "text": "the screen"}]))
+    seen = shot.usage.input_tokens + shot.usage.cache_read_input_tokens
+    assert seen > words.usage.input_tokens + words.usage.cache_read_input_tokens + 4
+
+
 def test_ollama_images(server, oai):
     """Ollama's chat and generate take `images` (base64): the same reply and prompt tokens as chat."""
     b64 = base64.b64encode(IMAGE).decode()

@@ -52,6 +52,7 @@ from .prompt import (
     template_kwargs,
     template_message,
 )
+from .reply import make_splitter, split_emit
 from .sequence import Listener, TextStream, make_request_processors, make_request_sampler
 
 #: Options the vision engine does not take: each is refused by name at load.
@@ -142,6 +143,7 @@ class _Run:
     max_tokens: int = 0
     steps: Any = None  # mlx-vlm's generate_step generator
     text: TextStream | None = None
+    reply: Any = None  # splits a chat reply into answer, reasoning and tool calls (`reply.py`)
     stops: set[int] = field(default_factory=set)
 
     def stats(self, finish: str, stop_sequence: str = "") -> Stats:
@@ -168,7 +170,7 @@ class VisionEngine:
 
     def __init__(self, model: str, *, cache_limit_bytes: int | None = None,
                  options: EngineOptions | None = None, prompt_cache_share: int = 1) -> None:
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
+        from mlx_lm.utils import load_tokenizer
         from mlx_vlm.utils import load
 
         t0 = time.perf_counter()
@@ -180,18 +182,17 @@ class VisionEngine:
             raise ValueError(f"{', '.join(unsupported)}: not supported for a vision model (mlx-vlm)")
         self.path = model
         self.model, self.processor = load(model)
-        tok = getattr(self.processor, "tokenizer", self.processor)
-        if o.chat_template is not None:
-            tok.chat_template = o.chat_template
-        self.tokenizer = TokenizerWrapper(tok)
         config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+        # mlx-lm's view of the same tokenizer files: the chat template, the streaming detokenizer, and
+        # the thinking and tool-call markup its reply parsers read (the processor tokenizes the prompt).
+        extra = {"chat_template": o.chat_template} if o.chat_template is not None else None
+        self.tokenizer = load_tokenizer(Path(model), extra, eos_token_ids=config.get("eos_token_id"))
         text = {**config, **config.get("text_config", {})}
         self.model_context = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
         self.context_length = min(o.context_length or self.model_context, self.model_context)
         self.vocab_size = int(text.get("vocab_size") or 0)
-        # Tool calls and thinking go through the text engine's reply splitter, which this one lacks.
-        self.capabilities = msgspec.structs.replace(capabilities(self.tokenizer), thinking="",
-                                                    thinking_switch=False, tools="", vision=True)
+        # Thinking and tool calls are split out of the reply as the text engine does (`reply.py`).
+        self.capabilities = msgspec.structs.replace(capabilities(self.tokenizer), vision=True)
         self.grammars = None  # structured output is refused (`_check`): no grammar to prepare
         self.prompt_cache_bytes = (auto_prompt_cache_bytes(prompt_cache_share) if o.prompt_cache_bytes is None
                                    else o.prompt_cache_bytes)
@@ -293,6 +294,10 @@ class VisionEngine:
         if p.logprobs is not None:
             raise InvalidField("logprobs", ": not supported for a vision model", code="unsupported")
         check_request(req.chat, self.capabilities, self.path)
+        if req.chat is not None and req.chat.forces_call:  # forcing a call takes a grammar
+            raise InvalidField("tool_choice", ": a vision model cannot be forced to call a tool (tool_choice "
+                                              "auto only)", code="unsupported",
+                               capability="forced tool calls")
         if req.messages is None and req.prompt is None and req.prompt_ids is None:
             raise ValueError("request has no prompt, prompt_ids or messages")
 
@@ -322,7 +327,11 @@ class VisionEngine:
         run.stops = set() if p.ignore_eos else set(self._eos)
         run.stops.update(p.stop_token_ids)
         sampler = make_request_sampler(p) or _greedy
-        run.text = TextStream(self.tokenizer.detokenizer, list(p.stop), lambda t, s: self._emit(run, t, s))
+        # Only a chat reply has reasoning and tool calls to split out.
+        if req.messages is not None:
+            run.reply = make_splitter(self.tokenizer, self.capabilities, req.chat, ids)
+        emit = split_emit(run.reply, run.listener, req.id)
+        run.text = TextStream(self.tokenizer.detokenizer, list(p.stop), emit)
         run.steps = generate_step(inputs, self.model, pixels, mask, max_tokens=run.max_tokens,
                                   sampler=sampler, logits_processors=make_request_processors(p),
                                   prompt_cache=cache, prefill_step_size=self.options.prefill_step_size,
@@ -352,15 +361,20 @@ class VisionEngine:
         elif run.generated >= run.max_tokens:
             self._end(run, "length")
 
-    def _emit(self, run: _Run, token: int, text: str) -> None:
-        run.listener.token(run.req.id, token, text)
-
     def _end(self, run: _Run, reason: str, stop_sequence: str = "") -> None:
         rest = run.text.finish() if run.text is not None and reason != "cancelled" else ""
         if self._run is run:
             self._run = None
         run.steps = None
-        run.listener.done(run.req.id, run.stats(reason, stop_sequence), rest)
+        stats = run.stats(reason, stop_sequence)
+        if run.reply is None:
+            run.listener.done(run.req.id, stats, rest)
+            return
+        parts = run.reply.feed(rest).extend(run.reply.finish())
+        if parts.reasoning or parts.calls:
+            run.listener.done(run.req.id, stats, parts.content, parts.reasoning, parts.calls)
+        else:
+            run.listener.done(run.req.id, stats, parts.content)
 
     # -- prompts, images and the cache ---------------------------------------------
     def _prompt(self, req: Generate) -> tuple[str | list[int], list[bytes]]:

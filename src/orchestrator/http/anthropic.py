@@ -211,9 +211,9 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-def _image(i: int, j: int, b: ImageBlock) -> bytes:
+def _image(i: int, j: int, b: ImageBlock, tail: str = "") -> bytes:
     """An image block's bytes: a ``base64`` source's data, checked here; other sources are refused."""
-    field = f"messages[{i}].content[{j}].source"
+    field = f"messages[{i}].content[{j}]{tail}.source"
     src = b.source
     if src.type == "url" and src.url is not None:
         return image_bytes(src.url, f"{field}.url")  # refused by name: remote images are not fetched
@@ -222,18 +222,23 @@ def _image(i: int, j: int, b: ImageBlock) -> bytes:
     return image_bytes(src.data, f"{field}.data")
 
 
-def _result_text(i: int, j: int, b: ToolResultBlock) -> str:
+def _result_text(i: int, j: int, b: ToolResultBlock) -> str | list[dict[str, Any]]:
+    """A tool result's text; with images (a screenshot tool's), its text and image parts in order."""
     if isinstance(b.content, str):
         return b.content
-    texts = []
+    parts: list[dict[str, Any]] = []
     for k, part in enumerate(b.content):
         if isinstance(part, TextBlock):
-            texts.append(part.text)
+            parts.append({"type": "text", "text": part.text})
         elif isinstance(part, ToolReferenceBlock):
-            texts.append(part.tool_name)
+            parts.append({"type": "text", "text": part.tool_name})
+        elif isinstance(part, ImageBlock):
+            parts.append({"type": "image", "image": _image(i, j, part, f".content[{k}]")})
         else:
             raise _block_refused(i, j, part, "a tool result", f".content[{k}]")
-    return "\n".join(texts)
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _block_refused(i: int, j: int, b: object, where: str, tail: str = "") -> HttpError:
