@@ -22,6 +22,7 @@ import argparse
 import io
 import threading
 import time
+from importlib import metadata
 
 from mlxrt import Runtime
 from mlxrt.worker.engine import resolve_model_path
@@ -126,8 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
     for n in names:
         cached = [x.get("cached_tokens", 0) for x in runs[n]]
         print(f"{n:18} {runner.span(ttft[n]):>24} {runner.span(tps[n]):>24} {runner.span(cached, '.0f'):>14}")
+    env = runner.environment()
+    env["versions"]["mlx-vlm"] = metadata.version("mlx-vlm")  # env.describe knows only mlx-lm's family
     result = {"model": a.model, "rounds": a.rounds, "tokens": a.tokens, "side": a.side,
-              "prompt_tokens": prompt_tokens, "runs": runs, "env": runner.environment()}
+              "prompt_tokens": prompt_tokens, "runs": runs, "env": env}
     medians = {n: runner.span(ttft[n], rng=False) for n in names}
     runner.finish(result, runner.json_path(a.json, "vision"),
                   {"benchmark": "mlxrt-vision", "model": a.model, "ttft_ms_median": medians})
