@@ -121,6 +121,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("MLXRT_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         responses_store=args.responses_store,
+        allow_image_urls=args.allow_image_urls,
     )
     try:
         serve(models, config=config, workers=args.workers, transport=args.transport,
@@ -328,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--responses-store", type=int, default=DEFAULT_RESPONSES_STORE, metavar="N",
                      help="keep the last N Responses-API responses in memory for previous_response_id "
                           f"and GET /v1/responses/ID (default: {DEFAULT_RESPONSES_STORE}; 0 keeps none)")
+    srv.add_argument("--allow-image-urls", action="store_true",
+                     help="fetch the http(s) image URLs requests carry (off: such an image is a 400; on, a "
+                          "client can make this server fetch any URL it can reach: docs/vision.md)")
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     _add_engine_flags(srv)
     _add_sampling_defaults(srv)

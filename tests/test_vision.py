@@ -5,11 +5,14 @@ bad inputs that must be refused by name before they reach a worker."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import io
 import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -198,31 +201,42 @@ def test_headers_give_format_and_size():
 # ---- every API through a real `mlxrt serve` -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(vl_model, tiny_model, tmp_path_factory):
-    """`mlxrt serve --model vl=... --model tiny=...` on 127.0.0.1; its URL and its log's path."""
+@contextlib.contextmanager
+def serving(log, *args: str):
+    """`mlxrt serve ARGS` on a free port of 127.0.0.1, up and answering /health; its URL."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "--log-level", "info", "serve",
-                                 "--model", f"vl={vl_model}", "--model", f"tiny={tiny_model}",
+        proc = subprocess.Popen([sys.executable, "-m", "mlxrt", "--log-level", "info", "serve", *args,
                                  "--port", str(port), "--transport", "stdio"],
                                 stdout=subprocess.DEVNULL, stderr=out, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mlxrt serve did not come up:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            pytest.fail(f"mlxrt serve did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-    yield url, log
-    proc.terminate()
-    proc.wait(60)
+            raise
+
+
+@pytest.fixture(scope="module")
+def server(vl_model, tiny_model, tmp_path_factory):
+    """`mlxrt serve --model vl=... --model tiny=...` on 127.0.0.1; its URL and its log's path."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serving(log, "--model", f"vl={vl_model}", "--model", f"tiny={tiny_model}") as url:
+        yield url, log
 
 
 IMAGE = png(100, 70)
@@ -353,3 +367,54 @@ def _check_refusals(http: httpx.Client, log) -> None:
     ok = http.post("/v1/chat/completions", json={"model": "vl", "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(IMAGE)}}]}]})
     assert ok.status_code == 200
+
+
+# ---- remote image URLs, fetched only with --allow-image-urls -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def image_site():
+    """A local HTTP server with /a.png (IMAGE) and nothing else (404); its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the base class's name)
+            if self.path == "/a.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(IMAGE)))
+                self.end_headers()
+                self.wfile.write(IMAGE)
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=site.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{site.server_address[1]}"
+    site.shutdown()
+    site.server_close()
+    thread.join(10)
+
+
+def test_allow_image_urls_fetches_them(vl_model, image_site, tmp_path, oai):
+    """With --allow-image-urls an image_url's http URL is fetched: the same reply and prompt tokens as
+    the data URI; a URL that answers 404 is a 400 naming the part."""
+    log = tmp_path / "serve.log"
+    with serving(log, "--model", f"vl={vl_model}", "--allow-image-urls") as url, \
+            openai.OpenAI(base_url=url + "/v1", api_key="x") as client:
+        def ask(image_url: str):
+            return client.chat.completions.create(model="vl", max_tokens=5, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                             {"type": "text", "text": QUESTION}]}])
+
+        fetched = ask(f"{image_site}/a.png")
+        with pytest.raises(openai.BadRequestError) as exc:
+            ask(f"{image_site}/missing.png")
+    ref = openai_chat(oai)
+    assert fetched.choices[0].message.content == ref.choices[0].message.content
+    assert fetched.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert exc.value.body["param"] == "messages[0].content[0].image_url.url"
+    assert "could not fetch" in exc.value.body["message"]

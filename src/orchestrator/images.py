@@ -5,15 +5,24 @@ bytes (the Python API). `check_image` reads the file's header by hand (PNG, JPEG
 the formats OpenAI and Anthropic take) for its format and size, and refuses bytes that are no
 such image, a file over `MAX_IMAGE_BYTES` or an image over `MAX_IMAGE_PIXELS`, each an
 `InvalidField` naming the API's field. Pixels are decoded only in the worker
-(`worker/vision.py`); this module imports neither MLX nor Pillow. Remote URLs are not
-fetched: the orchestrator makes no outbound requests on a client's behalf (docs/vision.md).
+(`worker/vision.py`); this module imports neither MLX nor Pillow.
+
+Remote URLs are refused unless the server was started with ``--allow-image-urls``: then the
+HTTP layer fetches a request's image URLs (`prefetch`, off the event loop, each within
+`image_fetch_timeout_s`) before its API's schema is turned into a `Request`, and `image_bytes`
+takes the fetched bytes from `PREFETCHED`, the request's own context.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import os
 import struct
+import urllib.error
+import urllib.request
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..ipc.protocol import InvalidField
@@ -26,6 +35,10 @@ MAX_IMAGE_PIXELS = 7680 * 4320
 #: Most images in one request.
 MAX_IMAGES = 16
 FORMATS = ("png", "jpeg", "gif", "webp")
+#: How long one remote image may take to fetch, seconds (with --allow-image-urls).
+DEFAULT_IMAGE_FETCH_TIMEOUT_S = 10.0
+#: A request's fetched image URLs: the bytes, or why the fetch failed (set by the HTTP layer).
+PREFETCHED: ContextVar[dict[str, bytes | str] | None] = ContextVar("mlxrt_prefetched_images", default=None)
 
 
 @dataclass(frozen=True)
@@ -56,9 +69,14 @@ def _decode_str(value: str, field: str) -> bytes:
     text = value.strip()
     lowered = text[:16].lower()
     if lowered.startswith(("http://", "https://")):
+        fetched = (PREFETCHED.get() or {}).get(text)
+        if isinstance(fetched, bytes):
+            return fetched
+        if isinstance(fetched, str):
+            raise InvalidField(field, f": could not fetch {text!r}: {fetched}")
         raise InvalidField(field, ": remote image URLs are not fetched by this server; send the image inline "
-                                  "(a data:image/...;base64 URI or base64 data)", code="unsupported",
-                           capability="image URLs")
+                                  "(a data:image/...;base64 URI or base64 data), or start it with "
+                                  "--allow-image-urls", code="unsupported", capability="image URLs")
     if lowered.startswith("data:"):
         head, sep, text = text.partition(",")
         if not sep or not head.lower().endswith(";base64"):
@@ -149,3 +167,49 @@ def _webp(data: bytes) -> ImageInfo | None:
         h = int.from_bytes(data[27:30], "little") + 1
         return ImageInfo("webp", w, h)
     return None
+
+
+def image_fetch_timeout_s() -> float:
+    """Seconds one remote image may take: $MLXRT_IMAGE_FETCH_TIMEOUT_S, else the default."""
+    return float(os.environ.get("MLXRT_IMAGE_FETCH_TIMEOUT_S") or DEFAULT_IMAGE_FETCH_TIMEOUT_S)
+
+
+def remote_urls(value: object) -> list[str]:
+    """The http(s) image URLs in a decoded API request: every ``url`` or ``image_url`` field of its
+    structs (OpenAI's and Responses' image parts, Anthropic's url sources) that holds one."""
+    found: list[str] = []
+
+    def walk(v: object) -> None:
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif hasattr(v, "__struct_fields__"):
+            for name in v.__struct_fields__:  # type: ignore[attr-defined]
+                x = getattr(v, name)
+                if name in ("url", "image_url") and isinstance(x, str) and x[:8].lower().startswith(
+                        ("http://", "https://")):
+                    found.append(x.strip())
+                else:
+                    walk(x)
+
+    walk(value)
+    return list(dict.fromkeys(found))
+
+
+async def prefetch(urls: list[str], *, timeout_s: float | None = None) -> dict[str, bytes | str]:
+    """Fetch `urls` at once, each in a thread within `timeout_s` (default `image_fetch_timeout_s`) and
+    at most `MAX_IMAGE_BYTES` + 1 bytes read: each URL's bytes, or why its fetch failed."""
+    limit = image_fetch_timeout_s() if timeout_s is None else timeout_s
+    results = await asyncio.gather(*(asyncio.to_thread(_fetch, url, limit) for url in urls))
+    return dict(zip(urls, results, strict=True))
+
+
+def _fetch(url: str, timeout_s: float) -> bytes | str:
+    request = urllib.request.Request(url, headers={"User-Agent": "mlxrt"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:  # noqa: S310 (http(s) only)
+            return resp.read(MAX_IMAGE_BYTES + 1)
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s (set MLXRT_IMAGE_FETCH_TIMEOUT_S)"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return str(getattr(exc, "reason", None) or exc)
