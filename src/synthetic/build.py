@@ -217,6 +217,10 @@ def _write_model(out: Path, spec: Preset, seed: int) -> int:
 
         model, config = build_vision(spec, seed)
         _write_json(out / "preprocessor_config.json", spec.image_processor)
+        tokens = _text_shape(spec).get("mm_tokens_per_image")
+        if tokens is not None:  # Gemma 3: the processor's soft tokens an image (else 256)
+            kind = spec.image_processor["processor_class"]
+            _write_json(out / "processor_config.json", {"image_seq_length": tokens, "processor_class": kind})
     else:
         model, config = _build(spec, seed)
     nbytes = _write_weights(out, model, strip="model." if spec.embedding else "")
@@ -339,6 +343,7 @@ def _tokenizer_config(spec: Preset) -> dict[str, Any]:
         "split_special_tokens": False,
         "tokenizer_class": fam.tokenizer_class,
         "unk_token": "<unk>" if "<unk>" in fam.specials else None,
+        **({"extra_special_tokens": fam.extra_special_tokens} if fam.extra_special_tokens else {}),
     }
 
 

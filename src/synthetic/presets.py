@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .templates import GEMMA3_TEMPLATE, HARMONY_TEMPLATE, LLAMA3_TEMPLATE, chatml_template
+from .templates import GEMMA3_TEMPLATE, GEMMA3_VL_TEMPLATE, HARMONY_TEMPLATE, LLAMA3_TEMPLATE, chatml_template
 
 FORMAT_VERSION = 2  # bump when the bytes a (preset, seed) produces change
 EMBED_STD = 0.02  # embeddings, untied lm_head, biases and other 1-D parameters
@@ -49,6 +49,8 @@ class Family:
     #: A vision-language family (built from mlx-vlm's model classes): config key -> special token
     #: of its image markers; empty for a text model.
     vision_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: tokenizer_config.json "extra_special_tokens" (Gemma 3's processor reads its image tokens there).
+    extra_special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {
@@ -100,6 +102,20 @@ FAMILIES: dict[str, Family] = {
         defaults={"attention_dropout": 0.0, "hidden_act": "silu", "rms_norm_eps": 1e-6,
                   "rope_theta": 1_000_000.0, "use_sliding_window": False},
         vision_tokens=_QWEN_VL_TOKENS,
+    ),
+    # Gemma 3 as mlx-vlm loads it: "text_config" (gemma3_text) and a SigLIP "vision_config".
+    "gemma3": Family(
+        "gemma3", "Gemma3ForConditionalGeneration",
+        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+         "<end_of_image>", "<image_soft_token>"),
+        ("<eos>", "<end_of_turn>"), GEMMA3_VL_TEMPLATE, bos="<bos>", pad="<pad>", norm_weight=0.0,
+        text_config="gemma3_text",
+        defaults={"hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+                  "rope_local_base_freq": 10_000.0, "rope_theta": 1_000_000.0},
+        vision_tokens={"boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+                       "image_token_index": "<image_soft_token>"},
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"},
     ),
     "gemma3_text": Family(
         "gemma3_text", "Gemma3ForCausalLM",
@@ -221,6 +237,24 @@ def qwen_vl_image_processor(*, max_tokens: int, min_tokens: int = 4) -> dict[str
     }
 
 
+#: A test-sized SigLIP tower for Gemma 3: 56-pixel images, 16 patches, pooled to the text config's
+#: mm_tokens_per_image.
+GEMMA3_TINY_VISION = {
+    "model_type": "siglip_vision_model", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+    "num_attention_heads": 2, "patch_size": 14, "image_size": 56, "num_channels": 3,
+}
+
+
+def gemma3_image_processor(*, side: int) -> dict[str, Any]:
+    """Gemma 3's preprocessor_config.json: every image resized to `side` x `side`, SigLIP's mean and std."""
+    return {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": side, "width": side}, "resample": 2, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True, "do_pan_and_scan": False,
+    }
+
+
 def _tiny(family: str, description: str, **shape: Any) -> Preset:
     """A float32 CPU test model: 64 wide, vocab 2048, 512-token context."""
     base = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -278,6 +312,14 @@ PRESETS: dict[str, Preset] = {
               num_hidden_layers=2, max_position_embeddings=2048,
               rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
         vision=QWEN2_5_VL_TINY_VISION, image_processor=qwen_vl_image_processor(max_tokens=64)),
+    # Gemma 3's layout at test size: a 2-layer SigLIP tower (56-pixel images, 14-pixel patches) pooled to
+    # 4 soft tokens an image, sliding and global layers; a 64-token window, so a test's image chat fits it
+    # (the image cache keeps prompts that have not rotated their windows).
+    "tiny-gemma3-vl": dataclasses.replace(
+        _tiny("gemma3", "tests: Gemma 3 SigLIP tower + sliding-window language model, images in every API",
+              num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
+              sliding_window_pattern=2, mm_tokens_per_image=4),
+        vision=GEMMA3_TINY_VISION, image_processor=gemma3_image_processor(side=56)),
     "tiny-gpt-oss": _tiny("gpt_oss", "tests: gpt-oss MoE with sinks and sliding windows",
                           num_hidden_layers=4, intermediate_size=64, head_dim=16, num_local_experts=8,
                           num_experts_per_tok=2, sliding_window=32, tie_word_embeddings=False,

@@ -153,6 +153,15 @@ GEMMA3_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
 )
 
+# Gemma 3 with its vision tower: an image part is <start_of_image> (the processor widens it to the image's
+# soft tokens), a text part its text.
+GEMMA3_VL_TEMPLATE = GEMMA3_TEMPLATE.replace(
+    "{%- else %}{{- (message.content or '') | trim }}{%- endif %}",
+    "{%- elif message.content is not string and message.content %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' or part.type == 'image_url' %}{{- '<start_of_image>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text | trim }}{%- endif %}{%- endfor %}"
+    "{%- else %}{{- (message.content or '') | trim }}{%- endif %}")
+
 # gpt-oss harmony: system/developer/user turns, assistant analysis/commentary/final channels,
 # tool calls to=functions.NAME ending in <|call|>, tools as a TypeScript-like namespace.
 HARMONY_TEMPLATE = (

@@ -403,8 +403,10 @@ class VisionEngine:
         if isinstance(prompt, list):
             return mx.array([prompt]), None, None, {}
         decoded = [_decode_image(i, data) for i, data in enumerate(images)]
+        bos = self.tokenizer.bos_token  # mlx_lm.stream_generate's rule: a templated BOS is not added again
         inputs = prepare_inputs(self.processor, images=decoded or None, prompts=prompt,
-                                image_token_index=getattr(self.model.config, "image_token_index", None))
+                                image_token_index=getattr(self.model.config, "image_token_index", None),
+                                add_special_tokens=bos is None or not prompt.startswith(bos))
         kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
         return inputs["input_ids"], inputs.get("pixel_values"), inputs.get("attention_mask"), kwargs
 
