@@ -96,22 +96,30 @@ def rt(vl_model, gemma_model, tiny_model):
 # ---- the worker: mlx-vlm's model, the prefix cache ---------------------------------------------
 
 
+def mlx_vlm_reply(path: str, messages: list[dict], image: bytes, max_tokens: int):
+    """mlx-vlm's own greedy `generate` in this process for `messages` (image parts as ``{"type":
+    "image"}``) and `image`: the reference a worker's reply is held to."""
+    from mlx_vlm import generate, load
+
+    model, processor = load(path)
+    tok = processor.tokenizer
+    processor.chat_template = tok.chat_template  # the template owns BOS: mlx-vlm adds none then
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return generate(model, processor, prompt, image=[Image.open(io.BytesIO(image))], max_tokens=max_tokens,
+                    temperature=0.0, verbose=False)
+
+
+TEMPLATE_CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+PATHS = {"vl": "vl_model", "gemma": "gemma_model"}
+
+
 @pytest.mark.parametrize("name", VISION)
 def test_greedy_reply_equals_mlx_vlm_generate(rt, request, name):
     """An image chat through a worker gives mlx-vlm's own in-process greedy tokens for the same prompt
     and image, and counts the image's tokens in the prompt (Qwen2.5-VL and Gemma 3)."""
-    from mlx_vlm import generate, load
-
     image = png(120, 90)
     c = rt.generate(chat(image), model=name, max_tokens=12)
-    model, processor = load(request.getfixturevalue({"vl": "vl_model", "gemma": "gemma_model"}[name]))
-    tok = processor.tokenizer
-    processor.chat_template = tok.chat_template  # the template owns BOS: mlx-vlm adds none then
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
-        tokenize=False, add_generation_prompt=True)
-    ref = generate(model, processor, prompt, image=[Image.open(io.BytesIO(image))], max_tokens=12,
-                   temperature=0.0, verbose=False)
+    ref = mlx_vlm_reply(request.getfixturevalue(PATHS[name]), TEMPLATE_CHAT, image, 12)
     assert ref.token_ids and c.tokens == ref.token_ids
     assert c.stats.prompt_tokens == ref.prompt_tokens
     text_only = rt.generate([{"role": "user", "content": QUESTION}], model=name, max_tokens=1)
@@ -130,6 +138,20 @@ def test_repeated_image_reuses_the_cache(rt, name):
     assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
     assert again.tokens == first.tokens
     assert other.stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("name", VISION)
+def test_a_later_turn_reuses_the_image_turns_kv(rt, request, name):
+    """A chat's next turn with the same image starts from the KV its first turn left (the image's tokens
+    and all), and its reply is still mlx-vlm's own for the whole conversation."""
+    image = png(70, 70, (120, 60, 200))
+    first = rt.generate(chat(image), model=name, max_tokens=6)
+    follow = [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And its colour?"}]
+    second = rt.generate(chat(image) + follow, model=name, max_tokens=8)
+    assert first.stats.cached_tokens == 0
+    assert second.stats.cached_tokens == first.stats.prompt_tokens - 1
+    ref = mlx_vlm_reply(request.getfixturevalue(PATHS[name]), TEMPLATE_CHAT + follow, image, 8)
+    assert second.tokens == ref.token_ids and second.stats.prompt_tokens == ref.prompt_tokens
 
 
 def test_images_as_data_uris_base64_and_bytes_are_one_request(rt):

@@ -13,10 +13,12 @@ way for a request to join a running batch, so a worker serves image requests, an
 requests to a vision model, one after the other (docs/vision.md). Sampling, stop strings and
 the detokenizer are the text engine's (`sequence.py`).
 
-Prefix reuse: a finished prompt's KV is kept under a hash of its templated text and its images'
-bytes (`ImageCache`); the same images and prompt again skip the image decoding, the processor,
-the vision tower and all but the prompt's last token, as mlx-vlm's own prefix cache primes a
-Qwen-style model's mRoPE state (`_prime_cached_prefix_rope_state`).
+Prefix reuse: a prompt's KV is kept with its ids and its images' digests (`ImageCache`). The same
+images and prompt again skip the image decoding, the processor, the vision tower and all but the
+prompt's last token; a chat's next turn with the same images starts from the longest kept prefix
+that holds all their tokens, and only its text is prefilled. A Qwen-style model's mRoPE positions
+are primed from the whole prompt, as mlx-vlm's own prefix cache does
+(`_prime_cached_prefix_rope_state`).
 """
 
 from __future__ import annotations
@@ -75,13 +77,29 @@ def is_vision_model(path: str) -> bool:
 
 @dataclass
 class _Entry:
-    """A prompt's KV up to (not including) its last token, its ids, and the model state that
-    continues it (mRoPE positions)."""
+    """A prompt's KV up to (not including) its last token, its ids, its images' digests, and the model
+    state that continues it (mRoPE positions)."""
 
     ids: list[int]
+    digests: tuple[bytes, ...]
     cache: list
     kwargs: dict[str, Any]
     nbytes: int
+
+
+@dataclass
+class _Plan:
+    """How a request is prefilled: its prompt ids, the cache it starts from (`cached` tokens in it), the
+    inputs still to run, and the model state to keep with its KV (None: it is not kept)."""
+
+    ids: list[int]
+    cache: list
+    inputs: mx.array
+    pixels: Any
+    mask: Any
+    kwargs: dict[str, Any]
+    cached: int = 0
+    keep: dict[str, Any] | None = None
 
 
 class ImageCache:
@@ -96,14 +114,33 @@ class ImageCache:
         self.cached_tokens_total = 0
 
     def get(self, key: str) -> _Entry | None:
+        """The entry of exactly this prompt and these images, or None."""
         entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        self.cached_tokens_total += len(entry.ids) - 1
+        if entry is not None:
+            self._entries.move_to_end(key)
         return entry
+
+    def longest(self, digests: tuple[bytes, ...], ids: list[int],
+                media_end: int) -> tuple[_Entry, int] | None:
+        """The kept prompt with the same images that shares the longest prefix with `ids` (an earlier turn
+        of the same chat), and that prefix's length: at least `media_end` (every image token of `ids`),
+        at most one short of either prompt. None when no entry shares that much."""
+        best: tuple[_Entry, int] | None = None
+        for entry in self._entries.values():
+            if entry.digests != digests:
+                continue
+            n = _common(entry.ids, ids, min(len(entry.ids), len(ids)) - 1)
+            if n > max(media_end - 1, 0) and (best is None or n > best[1]):
+                best = (entry, n)
+        return best
+
+    def note(self, cached: int) -> None:
+        """A request started from `cached` tokens of this cache (0: a miss)."""
+        if cached:
+            self.hits += 1
+            self.cached_tokens_total += cached
+        else:
+            self.misses += 1
 
     def put(self, key: str, entry: _Entry) -> None:
         if entry.nbytes > self.cap_bytes:
@@ -308,16 +345,10 @@ class VisionEngine:
         run.started_at = time.perf_counter()
         req = run.req
         prompt, images = self._prompt(req)
-        key = _key(prompt, images)
-        entry = self.cache.get(key) if self.cache.cap_bytes else None
-        if entry is not None:
-            ids, run.cached_tokens = entry.ids, len(entry.ids) - 1
-            cache = copy.deepcopy(entry.cache)
-            inputs, pixels, mask, kwargs = mx.array([ids[-1:]]), None, None, dict(entry.kwargs)
-        else:
-            inputs, pixels, mask, kwargs = self._inputs(prompt, images)
-            ids = inputs[0].tolist()
-            cache = self._new_cache()
+        digests = tuple(hashlib.sha256(data).digest() for data in images)
+        key = _key(prompt, digests)
+        plan = self._plan(prompt, images, key, digests)
+        ids, run.cached_tokens = plan.ids, plan.cached
         ctx = self._context(req)
         if len(ids) >= ctx:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens (its images' included); the context is "
@@ -332,15 +363,38 @@ class VisionEngine:
             run.reply = make_splitter(self.tokenizer, self.capabilities, req.chat, ids)
         emit = split_emit(run.reply, run.listener, req.id)
         run.text = TextStream(self.tokenizer.detokenizer, list(p.stop), emit)
-        run.steps = generate_step(inputs, self.model, pixels, mask, max_tokens=run.max_tokens,
+        run.steps = generate_step(plan.inputs, self.model, plan.pixels, plan.mask, max_tokens=run.max_tokens,
                                   sampler=sampler, logits_processors=make_request_processors(p),
-                                  prompt_cache=cache, prefill_step_size=self.options.prefill_step_size,
-                                  **kwargs)
+                                  prompt_cache=plan.cache, prefill_step_size=self.options.prefill_step_size,
+                                  **plan.kwargs)
+        self.cache.note(plan.cached)
         run.listener.started(req.id)
         first = next(run.steps, None)
-        if entry is None and self.cache.cap_bytes and first is not None:
-            self._keep(key, ids, inputs, mask, kwargs, cache)
+        if plan.keep is not None and first is not None:
+            self._keep(key, digests, ids, plan.cache, plan.keep)
         run.steps = _prepend(first, run.steps)
+
+    def _plan(self, prompt: str | list[int], images: list[bytes], key: str,
+              digests: tuple[bytes, ...]) -> _Plan:
+        """Where the prefill starts: this exact prompt's KV (its last token left to run), else an earlier
+        turn's with the same images (the rest of the prompt to run, its images' tokens all in the kept
+        part), else nothing (the images decoded and encoded, the whole prompt run)."""
+        entry = self.cache.get(key) if self.cache.cap_bytes else None
+        if entry is not None:
+            ids = entry.ids
+            return _Plan(ids, copy.deepcopy(entry.cache), mx.array([ids[-1:]]), None, None,
+                         dict(entry.kwargs), cached=len(ids) - 1)
+        inputs, pixels, mask, kwargs = self._inputs(prompt, images)
+        ids = inputs[0].tolist()
+        keep = self._positions(inputs, mask, kwargs) if self.cache.cap_bytes else None
+        found = None if keep is None else self.cache.longest(digests, ids, self._media_end(ids))
+        if found is None:
+            return _Plan(ids, self._new_cache(), inputs, pixels, mask, kwargs, keep=keep)
+        entry, n = found
+        cache = copy.deepcopy(entry.cache)
+        for c in cache:
+            c.trim(c.offset - n)
+        return _Plan(ids, cache, inputs[:, n:], None, None, dict(keep), cached=n, keep=keep)
 
     def _decode(self, run: _Run) -> None:
         item = next(run.steps, None)
@@ -415,25 +469,38 @@ class VisionEngine:
 
         return make_prompt_cache(self.model.language_model, max_kv_size=None)
 
-    def _keep(self, key: str, ids: list[int], inputs: mx.array, mask, kwargs: dict, cache: list) -> None:
+    def _positions(self, inputs: mx.array, mask, kwargs: dict) -> dict[str, Any] | None:
+        """The whole prompt's positions a model with mRoPE continues from (as mlx-vlm's own prefix cache
+        primes them: {} for a model without), or None when they cannot be found (nothing is kept)."""
+        from mlx_vlm.generate.dispatch import _prime_cached_prefix_rope_state
+
+        state = dict(kwargs)
+        if not _prime_cached_prefix_rope_state(self.model, inputs, mask, state):
+            return None
+        return {k: state[k] for k in ("position_ids", "rope_deltas") if k in state}
+
+    def _media_end(self, ids: list[int]) -> int:
+        """Where the prompt's last image token ends (0: none): a kept prefix must hold every one."""
+        config = self.model.config
+        token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        if token is None or token not in ids:
+            return 0
+        return len(ids) - ids[::-1].index(token)
+
+    def _keep(self, key: str, digests: tuple[bytes, ...], ids: list[int], cache: list,
+              positions: dict[str, Any]) -> None:
         """Keep the prompt's KV but its last token under `key`, with the positions that continue it.
 
         Called after the first token is sampled, when the cache holds the prompt and that token:
-        both are trimmed off. Caches that cannot be trimmed (sliding windows) are not kept.
+        both are trimmed off. Caches that cannot be trimmed (a sliding window that rotated) are not kept.
         """
-        from mlx_vlm.generate.dispatch import _prime_cached_prefix_rope_state
-
         if not all(getattr(c, "is_trimmable", lambda: False)() for c in cache):
             return
         kept = copy.deepcopy(cache)
         for c in kept:
             c.trim(c.offset - (len(ids) - 1))
-        state = dict(kwargs)
-        if not _prime_cached_prefix_rope_state(self.model, inputs, mask, state):
-            return
-        extra = {k: state[k] for k in ("position_ids", "rope_deltas") if k in state}
         nbytes = sum(int(getattr(c, "nbytes", 0)) for c in kept)
-        self.cache.put(key, _Entry(ids=ids, cache=kept, kwargs=extra, nbytes=nbytes))
+        self.cache.put(key, _Entry(ids=ids, digests=digests, cache=kept, kwargs=positions, nbytes=nbytes))
 
     def _context(self, req: Generate) -> int:
         ctx = req.params.num_ctx
@@ -444,12 +511,20 @@ class VisionEngine:
         return ctx
 
 
-def _key(prompt: str | list[int], images: list[bytes]) -> str:
-    """The cache key of a prompt and its images: a SHA-256 over the text (or ids) and each image's bytes."""
+def _key(prompt: str | list[int], digests: tuple[bytes, ...]) -> str:
+    """The cache key of a prompt and its images: a SHA-256 over the text (or ids) and each image's digest."""
     h = hashlib.sha256(json.dumps(prompt).encode())
-    for data in images:
-        h.update(hashlib.sha256(data).digest())
+    for digest in digests:
+        h.update(digest)
     return h.hexdigest()
+
+
+def _common(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the common prefix of `a` and `b`, at most `limit`."""
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _decode_image(i: int, data: bytes):
