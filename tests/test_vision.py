@@ -218,6 +218,15 @@ def test_a_broken_image_fails_alone_in_the_worker(rt):
     assert pid in [w.pid for w in rt.workers]
 
 
+def test_token_ids_beyond_the_vocabulary_fail_alone(rt):
+    """Prompt ids a vision model's vocabulary lacks fail that request as an invalid prompt; the worker
+    serves the next one (ids as a prompt go through the vision worker too)."""
+    with pytest.raises(RequestError) as exc:
+        rt.generate([5, 17, 10**6], model="vl", max_tokens=2)
+    assert exc.value.kind == "invalid" and exc.value.field == "prompt"
+    assert len(rt.generate([5, 17, 42], model="vl", max_tokens=3, ignore_eos=True).tokens) == 3
+
+
 def test_a_text_model_refuses_images(rt):
     """An image sent to a text-only model is refused by name, as a capability it lacks."""
     rt.generate("warm", model="tiny", max_tokens=1)  # its worker is ready: the orchestrator checks

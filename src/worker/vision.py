@@ -55,7 +55,7 @@ from .prompt import (
     template_message,
 )
 from .reply import make_splitter, split_emit
-from .sequence import Listener, TextStream, make_request_processors, make_request_sampler
+from .sequence import Listener, TextStream, make_request_processors, make_request_sampler, reseed
 
 #: Options the vision engine does not take: each is refused by name at load.
 #: (The disk tier, `prompt_cache_dir`, which `mlxrt serve` turns on by default, is left unused, not refused.)
@@ -274,18 +274,19 @@ class VisionEngine:
         """Nothing to flush: the image cache lives in memory only."""
 
     def step(self) -> None:
-        """Start the oldest waiting request (its prefill) when none runs, else decode one token."""
-        if self._run is None:
-            if not self._waiting:
-                return
-            run = self._run = self._waiting.popleft()
-            try:
+        """Start the oldest waiting request (its prefill) when none runs, then decode one token; a
+        request whose images, prefill or decode fail ends alone, failed, and the next one starts."""
+        if self._run is None and not self._waiting:
+            return
+        run = self._run = self._run or self._waiting.popleft()
+        try:
+            if run.steps is None:
                 self._start(run)
-            except Exception as exc:
-                self._run = None
-                run.listener.failed(run.req.id, exc)
-                return
-        self._decode(self._run)
+            self._decode(run)
+        except Exception as exc:
+            self._run, run.steps = None, None
+            reseed()  # a failed draw can leave MLX's random state broken (sequence.check_sampler)
+            run.listener.failed(run.req.id, exc)
 
     def report(self) -> EngineReport:
         running = int(self._run is not None)
@@ -337,6 +338,9 @@ class VisionEngine:
                                capability="forced tool calls")
         if req.messages is None and req.prompt is None and req.prompt_ids is None:
             raise ValueError("request has no prompt, prompt_ids or messages")
+        bad = [t for t in req.prompt_ids or () if not 0 <= t < self.vocab_size] if self.vocab_size else []
+        if bad:
+            raise InvalidField("prompt", f": token ids outside [0, {self.vocab_size}): {bad[:5]}")
 
     def _start(self, run: _Run) -> None:
         """Template the prompt, decode and encode its images (or find its KV in the cache), prefill."""
