@@ -22,7 +22,13 @@ import ollama
 import openai
 import pytest
 from mlxrt import InvalidField, RequestError, Runtime
-from mlxrt.orchestrator.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES, sniff
+from mlxrt.orchestrator.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    MAX_REQUEST_IMAGE_BYTES,
+    sniff,
+)
 from support import assert_stopped, free_port
 
 pytest.importorskip("mlx_vlm", reason="the vision extra (pip install 'mlxrt[vision]')")
@@ -201,10 +207,16 @@ def test_bad_images_are_refused_at_the_edge(rt, image, words):
 
 
 def test_too_many_images_are_refused(rt):
-    """More than MAX_IMAGES images in one request is refused, naming the messages."""
+    """More than MAX_IMAGES images, or more than MAX_REQUEST_IMAGE_BYTES of them, in one request is
+    refused, naming the messages."""
     with pytest.raises(InvalidField) as exc:
         rt.generate(chat([png(8, 8)] * (MAX_IMAGES + 1)), model="vl", max_tokens=2)
     assert exc.value.field == "messages" and f"over the limit of {MAX_IMAGES}" in str(exc.value)
+    big = png_header(100, 100) + b"\0" * (MAX_IMAGE_BYTES - 100)  # each under the one-image limit
+    n = MAX_REQUEST_IMAGE_BYTES // MAX_IMAGE_BYTES + 1
+    with pytest.raises(InvalidField) as exc:
+        rt.generate(chat([big] * n), model="vl", max_tokens=2)
+    assert exc.value.field == "messages" and f"over the limit of {MAX_REQUEST_IMAGE_BYTES}" in str(exc.value)
 
 
 def test_a_broken_image_fails_alone_in_the_worker(rt):

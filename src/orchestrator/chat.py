@@ -138,7 +138,7 @@ def chat_messages(messages: Sequence[Any]) -> list[ChatMessage]:
         if msg.role == "tool" and msg.name is None and msg.tool_call_id in names:
             msg.name = names[msg.tool_call_id]
         out.append(msg)
-    check_count(sum(len(m.images) for m in out))
+    check_count([image for m in out for image in m.images])
     return out
 
 

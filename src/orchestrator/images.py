@@ -32,8 +32,10 @@ from ..ipc.protocol import InvalidField
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 #: Largest image, pixels (an 8K frame): Pillow would warn of a decompression bomb at 89M.
 MAX_IMAGE_PIXELS = 7680 * 4320
-#: Most images in one request.
+#: Most images in one request, and most bytes of them together (a request travels to its worker as one
+#: frame, at most `ipc.channel.MAX_FRAME_BYTES`, 256 MiB).
 MAX_IMAGES = 16
+MAX_REQUEST_IMAGE_BYTES = 64 * 1024 * 1024
 FORMATS = ("png", "jpeg", "gif", "webp")
 #: How long one remote image may take to fetch, seconds (with --allow-image-urls).
 DEFAULT_IMAGE_FETCH_TIMEOUT_S = 10.0
@@ -103,10 +105,14 @@ def check_image(data: bytes, field: str) -> ImageInfo:
     return info
 
 
-def check_count(n: int, field: str = "messages") -> None:
-    """`InvalidField` when a request carries more than `MAX_IMAGES` images."""
-    if n > MAX_IMAGES:
-        raise InvalidField(field, f": {n} images in one request, over the limit of {MAX_IMAGES}")
+def check_count(images: list[bytes], field: str = "messages") -> None:
+    """`InvalidField` when a request carries more than `MAX_IMAGES` images or `MAX_REQUEST_IMAGE_BYTES`."""
+    if len(images) > MAX_IMAGES:
+        raise InvalidField(field, f": {len(images)} images in one request, over the limit of {MAX_IMAGES}")
+    total = sum(len(i) for i in images)
+    if total > MAX_REQUEST_IMAGE_BYTES:
+        raise InvalidField(field, f": {total} bytes of images in one request, over the limit of "
+                                  f"{MAX_REQUEST_IMAGE_BYTES}")
 
 
 def sniff(data: bytes) -> ImageInfo | None:
