@@ -226,7 +226,10 @@ class VisionEngine:
         self.tokenizer = load_tokenizer(Path(model), extra, eos_token_ids=config.get("eos_token_id"))
         text = {**config, **config.get("text_config", {})}
         self.model_context = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
-        self.context_length = min(o.context_length or self.model_context, self.model_context)
+        if o.context_length is not None and o.context_length > self.model_context:
+            raise ValueError(f"invalid context_length={o.context_length}: the model's context is "
+                             f"{self.model_context} tokens (max_position_embeddings)")
+        self.context_length = o.context_length or self.model_context
         self.vocab_size = int(text.get("vocab_size") or 0)
         # Thinking and tool calls are split out of the reply as the text engine does (`reply.py`).
         self.capabilities = msgspec.structs.replace(capabilities(self.tokenizer), vision=True)
