@@ -247,6 +247,20 @@ def test_a_text_model_refuses_images(rt):
     assert exc.value.field == "messages[0]" and exc.value.capability == "vision"
 
 
+def test_a_text_worker_refuses_images_itself(tiny_model):
+    """A text model's engine refuses a chat with images by name, for requests sent before the orchestrator
+    knew the model's capabilities (no worker ready yet)."""
+    from mlxrt.ipc.protocol import ChatMessage, Generate, SamplingParams
+    from mlxrt.worker.engine import Engine
+    from support import Recorder
+
+    engine, rec = Engine(tiny_model), Recorder()
+    message = ChatMessage("user", QUESTION, images=[png(8, 8)])
+    engine.submit(Generate(id=1, params=SamplingParams(max_tokens=2), messages=[message]), rec)
+    assert isinstance(rec.errors[1], InvalidField) and rec.errors[1].field == "images"
+    assert rec.errors[1].capability == "vision"
+
+
 def test_headers_give_format_and_size():
     """The orchestrator reads PNG, JPEG, GIF and WebP headers for their size without decoding them."""
     for fmt in ("PNG", "JPEG", "GIF", "WEBP"):
