@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import structlog
 
@@ -17,7 +18,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .orchestrator.runtime import Runtime
 
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
-    prompt_arg: object = [{"role": "user", "content": prompt}] if args.chat else prompt
+    prompt_arg: object = [{"role": "user", "content": prompt}] if args.chat or args.image else prompt
+    if args.image:  # a vision model's images, in the user message (docs/vision.md)
+        try:
+            prompt_arg[0]["images"] = [Path(p).read_bytes() for p in args.image]  # type: ignore[index]
+        except OSError as exc:
+            print(f"mlxrt: error: --image: {exc}", file=sys.stderr)
+            return 2
     params = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -294,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     gen.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--image", action="append", default=None, metavar="PATH",
+                     help="an image file for a vision model (repeat for several; implies --chat)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", "--temp", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

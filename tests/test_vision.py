@@ -8,6 +8,7 @@ import base64
 import contextlib
 import http.server
 import io
+import json
 import os
 import struct
 import subprocess
@@ -185,6 +186,20 @@ def test_stop_strings_and_cancel_on_a_vision_model(rt):
     stream.close()
     c = rt.generate(chat(png(30, 30)), model="vl", max_tokens=3, ignore_eos=True)
     assert c.finish_reason == "length" and len(c.tokens) == 3
+
+
+def test_cli_generate_with_an_image(rt, vl_model, tmp_path):
+    """`mlxrt generate --image PATH` sends the file as a user message's image: the reply and prompt
+    tokens are the Python API's for the same chat."""
+    image = png(50, 40)
+    (tmp_path / "a.png").write_bytes(image)
+    out = subprocess.run([sys.executable, "-m", "mlxrt", "generate", "-m", vl_model, "--image",
+                          str(tmp_path / "a.png"), "--max-tokens", "6", "--ignore-eos", "--stats", QUESTION],
+                         capture_output=True, text=True, timeout=300, check=True)
+    stats = json.loads(out.stderr.strip().splitlines()[-1])
+    ref = rt.generate([{"role": "user", "content": QUESTION, "images": [image]}], model="vl", max_tokens=6,
+                      ignore_eos=True)
+    assert out.stdout.rstrip("\n") == ref.text and stats["prompt_tokens"] == ref.stats.prompt_tokens
 
 
 # ---- bad input, refused by name -----------------------------------------------------------------
