@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
     mk.add_argument("preset", help="tiny, small, tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, "
-                    "tiny-gemma3, tiny-gpt-oss, or a 4-bit real shape such as qwen3-8b-4bit "
+                    "tiny-gemma3, tiny-gpt-oss, the vision models tiny-qwen2.5-vl and tiny-gemma3-vl, "
+                    "or a 4-bit real shape such as qwen3-8b-4bit "
                     "(all presets: docs/models.md)")
     mk.add_argument("--out", required=True, help="directory to write")
     mk.add_argument("--seed", type=int, default=0)
