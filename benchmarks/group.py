@@ -34,9 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 from . import runner
@@ -88,8 +86,8 @@ def speed(args, reference: list[list[int]] | None) -> dict:
         for n in args.ranks:
             log(f"loading {args.model} on {n} rank(s)")
             group = {} if n == 1 else {"ranks": n, "backend": args.backend, "sharding": args.sharding}
-            with _one_gpu(n == 1):
-                runtimes[n] = Runtime(model=args.model, engine=engine, **group)
+            # a one-rank worker on a host of several GPUs gets one of them from the pool, as a rank does
+            runtimes[n] = Runtime(model=args.model, engine=engine, **group)
         vocab = next(iter(runtimes.values())).model_info().vocab_size
         rows: dict[int, list[dict]] = {n: [] for n in runtimes}
         for r in range(args.rounds + 1):  # round 0 warms up, unmeasured
@@ -114,24 +112,6 @@ def speed(args, reference: list[list[int]] | None) -> dict:
         if reference is not None and n == args.probe_ranks:
             out[n]["same_as_mlx_lm"] = sum(x["ids"][0] == ref for x, ref in zip(rs, reference, strict=True))
     return out
-
-
-@contextmanager
-def _one_gpu(on: bool) -> Iterator[None]:
-    """While a one-rank worker starts (`on`), CUDA_VISIBLE_DEVICES shows it one GPU, as each rank of
-    a group sees one: on two H200s a 7B worker that saw both failed its warm-up in MLX 0.32.4
-    ('cudaMemcpy ... invalid argument'; docs/benchmarks/gpu-h200-group.md). Restored after, so a
-    group's plan still hands out every GPU."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if on:
-        os.environ["CUDA_VISIBLE_DEVICES"] = (before or "0").split(",")[0]
-    try:
-        yield
-    finally:
-        if on and before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        elif on:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -19,25 +19,29 @@ from mlxrt.worker import engine as engine_module
 from mlxrt.worker.main import main
 
 SCRIPT = json.loads(os.environ["SCRIPTED_REPLIES"])
-_sequence = engine_module.Engine._sequence
+_sequences = engine_module.Engine._sequences
 
 
-def scripted_sequence(self, req, listener, queued_at):
-    seq = _sequence(self, req, listener, queued_at)
+def scripted_sequences(self, req, listener, queued_at):
+    return [script(self, seq) for seq in _sequences(self, req, listener, queued_at)]
+
+
+def script(self, seq):
     prompt = self.tokenizer.decode(seq.ids)
     entry = next((e for e in SCRIPT if e[0] in prompt), None)
     if entry is None:
         return seq
     if entry[2:] == ["prefix"]:
-        ids = self.tokenizer.encode(entry[1], add_special_tokens=False)
+        ids = self.tokenizer.encode(entry[1], add_special_tokens=False)[seq.resumed:]
         at = len(seq.processors) - (seq.constraint is not None)  # before the grammar: it still masks
         seq.processors.insert(at, prefixed(ids, self.vocab_size))
-    else:
-        seq.processors = [*seq.processors, forced(reply_ids(self.tokenizer, entry[1]), self.vocab_size)]
+    else:  # a resumed reply goes on where the worker that died left it
+        ids = reply_ids(self.tokenizer, entry[1])
+        seq.processors = [*seq.processors, forced(ids[min(seq.resumed, len(ids) - 1):], self.vocab_size)]
     return seq
 
 
-engine_module.Engine._sequence = scripted_sequence
+engine_module.Engine._sequences = scripted_sequences
 
 if __name__ == "__main__":
     main()

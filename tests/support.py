@@ -23,6 +23,7 @@ from mlxrt import AsyncRuntime
 from mlxrt.ipc.protocol import ChatMessage, Generate, SamplingParams
 from mlxrt.orchestrator.http import ServerConfig
 from mlxrt.orchestrator.http.app import create_app
+from mlxrt.synthetic.presets import PRESETS
 from mlxrt.worker.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,6 +287,10 @@ THINKERS = ["qwen3", "gpt-oss"]
 
 # ---- the engine in-process ------------------------------------------------------
 
+
+#: The tiny preset of every generating family: every cache kind mlx-lm has (KV, rotating, arrays).
+FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding
+                          and PRESETS[p].vision is None)  # vision presets: tests/test_vision.py
 
 SYSTEM = "You answer questions about the weather, the sea and the mountains, at length. " * 5
 

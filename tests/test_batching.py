@@ -98,7 +98,8 @@ def test_bad_ids_fail_alone_in_a_batch(rt):
 
 
 def test_sigkill_with_a_full_batch_ends_every_caller(tiny_model):
-    """A worker killed mid-batch: every caller gets WorkerDied or a result, promptly; none hangs."""
+    """A worker killed mid-batch: every caller's request goes on on the restarted worker and ends with all
+    its tokens; none hangs."""
     with Runtime(model=tiny_model, transport="ring") as rt:
         pid = rt.workers[0].pid
         results: list[object] = []
@@ -116,8 +117,8 @@ def test_sigkill_with_a_full_batch_ends_every_caller(tiny_model):
                 time.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             results = [f.result(timeout=60) for f in futures]
-        assert any(isinstance(r, WorkerDied) for r in results)
-        assert all(isinstance(r, WorkerDied) or len(r.tokens) == 300 for r in results)
+        assert [len(r.tokens) for r in results] == [300] * 8
+        assert sum(r.stats.resumes for r in results) >= 4  # those in the batch at the kill, at least
         assert rt.generate("after the crash", max_tokens=3).tokens
 
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import pytest
 from mlxrt.ipc.protocol import EngineOptions, Generate
-from mlxrt.synthetic.presets import PRESETS
 from mlxrt.worker.engine import Engine
-from support import Recorder, chat, gen, run_alone, run_batch, run_handed_over
+from support import FAMILIES, Recorder, chat, gen, run_alone, run_batch, run_handed_over
 
-FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding
-                          and PRESETS[p].vision is None)  # vision presets: tests/test_vision.py
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def engines(request):

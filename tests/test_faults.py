@@ -127,8 +127,8 @@ def test_silent_worker_times_out_naming_the_setting(tiny_model, monkeypatch):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigkill_mid_stream_raises_worker_died_promptly(tiny_model, transport):
-    """SIGKILL of the worker mid-stream: the caller gets WorkerDied, not a hang."""
-    with Runtime(model=tiny_model, transport=transport) as rt:
+    """SIGKILL of the worker mid-stream with resumes off: the caller gets WorkerDied, not a hang."""
+    with Runtime(model=tiny_model, transport=transport, supervision=Supervision(max_resumes=0)) as rt:
         stream = rt.stream("The quick brown fox", max_tokens=400, ignore_eos=True)
         next(stream)
         os.kill(rt.workers[0].pid, signal.SIGKILL)

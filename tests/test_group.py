@@ -131,11 +131,11 @@ def _streams_of(rt, n: int) -> list:
 
 
 def test_a_rank_killed_or_stalled_mid_stream_ends_the_group_as_one(tiny_model):
-    """Rank 1 SIGKILLed, then (in the restarted group) SIGSTOPped mid-stream: WorkerDied for every
-    stream (the stall named as a collective timeout), every rank stopped, the group restarted
+    """Resumes off: rank 1 SIGKILLed, then (in the restarted group) SIGSTOPped mid-stream: WorkerDied for
+    every stream (the stall named as a collective timeout), every rank stopped, the group restarted
     after the first."""
     with Runtime(model=tiny_model, ranks=2, transport="ring", timeouts=Timeouts(collective_s=3),
-                 supervision=Supervision(backoff_initial_s=0.1)) as rt:
+                 supervision=Supervision(backoff_initial_s=0.1, max_resumes=0)) as rt:
         first = [r.pid for r in rt.workers[0].ranks]
         streams = _streams_of(rt, 3)
         os.kill(first[1], signal.SIGKILL)

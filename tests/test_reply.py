@@ -323,19 +323,19 @@ def test_forced_reply_splits_inside_a_batch(engine, name):
     alone = run(eng, [plain])
     forced_req = Generate(id=1, params=SamplingParams(max_tokens=200), messages=ask,
                           chat=ChatOptions(tools=TOOLS))
-    original = eng._sequence
+    original = eng._sequences
 
-    def sequence(req, listener, queued_at):
-        seq = original(req, listener, queued_at)
+    def sequences(req, listener, queued_at):
+        seqs = original(req, listener, queued_at)
         if req.id == 1:
-            seq.processors = [forced(reply_ids(eng.tokenizer, reply), eng.vocab_size)]
-        return seq
+            seqs[0].processors = [forced(reply_ids(eng.tokenizer, reply), eng.vocab_size)]
+        return seqs
 
-    eng._sequence = sequence
+    eng._sequences = sequences
     try:
         both = run(eng, [forced_req, plain])
     finally:
-        del eng._sequence
+        del eng._sequences
     assert shape(both.parts[1]) == expected
     assert both.stats[1].finish_reason == "stop"
     assert both.ids[2] == alone.ids[2]

@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from mlxrt import Runtime, Supervision
 from support import FAST, assert_stopped, run_with_deadline, wait_for
@@ -79,3 +80,22 @@ def test_spares_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="spares"):
             Runtime(model="synthetic:tiny", spares=bad)
+
+
+def test_each_worker_gets_a_gpu_of_its_own_on_a_host_of_several(tiny_model, monkeypatch):
+    """CUDA_VISIBLE_DEVICES=3,5 (two GPUs): two workers and a spare get 3, 5 and 3 in turn as their
+    own CUDA_VISIBLE_DEVICES, and a worker restarted after a crash keeps its slot's GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with Runtime(model=tiny_model, workers=2, spares=1, transport="stdio",
+                 supervision=Supervision(backoff_initial_s=0.05)) as rt:
+        assert [gpu_of(w.pid) for w in rt.workers] == ["3", "5", "3"]
+    restart = Supervision(backoff_initial_s=0.05)
+    with Runtime(model=tiny_model, workers=2, transport="stdio", supervision=restart) as rt:
+        second = rt.workers[1].pid
+        os.kill(second, signal.SIGKILL)
+        wait_for(lambda: rt.workers[1].pid != second and rt.workers[1].state == "ready", 60, "restart")
+        assert [gpu_of(w.pid) for w in rt.workers] == ["3", "5"]
+
+
+def gpu_of(pid: int) -> str | None:
+    return psutil.Process(pid).environ().get("CUDA_VISIBLE_DEVICES")

@@ -26,8 +26,9 @@ from support import FAST, run_with_deadline, wait_for
 
 FLAKY = [sys.executable, str(Path(__file__).with_name("flaky_worker.py"))]
 def test_killed_worker_is_restarted_and_serves_again(tiny_model):
-    """SIGKILL mid-stream: WorkerDied for that request, a new pid, restarts=1, the next request served."""
-    with Runtime(model=tiny_model, transport="ring", supervision=Supervision(**FAST)) as rt:
+    """SIGKILL mid-stream with resumes off (MLXRT_MAX_RESUMES=0): WorkerDied for that request, a new pid,
+    restarts=1, the next request served."""
+    with Runtime(model=tiny_model, transport="ring", supervision=Supervision(**FAST, max_resumes=0)) as rt:
         old = rt.workers[0].pid
         stream = rt.stream("hello", max_tokens=400, ignore_eos=True)
         next(stream)
@@ -48,8 +49,9 @@ def test_request_sent_right_after_a_crash_is_answered(tiny_model):
 
 
 def test_queued_request_is_replayed_on_the_replacement(tiny_model):
-    """A request still queued in a worker that dies is served by the replacement, not failed."""
-    with Runtime(model=tiny_model, transport="stdio", supervision=Supervision(**FAST)) as rt:
+    """A request still queued in a worker that dies is served by the replacement, not failed (even with
+    resumes off, which fail the running one)."""
+    with Runtime(model=tiny_model, transport="stdio", supervision=Supervision(**FAST, max_resumes=0)) as rt:
         running = rt.stream("hello", max_tokens=400, ignore_eos=True)
         next(running)
         queued = rt.stream("hello", max_tokens=8, ignore_eos=True)

@@ -18,13 +18,14 @@ from typing import Any, Literal
 
 import msgspec
 
-#: 8: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
+#: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
+#: 8: Generate.resume, Stats.resumes.
 #: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;
 #: 6: InvalidField's field in Failed (kind, field); EngineOptions.prompt_cache_dir and
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -435,6 +436,8 @@ class Stats(msgspec.Struct, kw_only=True):
     prefill_wait_ms: float = 0.0
     #: The longest time between two consecutive tokens of the reply, ms (a decode stall's length).
     longest_gap_ms: float = 0.0
+    #: How many times the request went on after its worker died (`Generate.resume`).
+    resumes: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -508,6 +511,18 @@ class Hello(msgspec.Struct, tag="hello", array_like=True, kw_only=True):
     prompt_cache_share: int = 1
 
 
+class Resume(msgspec.Struct, array_like=True, kw_only=True):
+    """How far a request got on a worker that died, as the supervisor saw it: the new worker
+    goes on from there (docs/supervision.md, streams that outlive their worker)."""
+
+    #: Each choice's tokens the caller received, by choice index.
+    tokens: list[list[int]]
+    #: The choices that had ended (n > 1): not generated again.
+    ended: list[int] = []
+    #: Which resume this is: 1 for the first.
+    count: int = 1
+
+
 class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
     id: int
     params: SamplingParams
@@ -515,6 +530,8 @@ class Generate(msgspec.Struct, tag="gen", array_like=True, kw_only=True):
     prompt_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     chat: ChatOptions | None = None
+    #: Set when the worker serving this request died mid-way and it goes on here.
+    resume: Resume | None = None
 
 
 class Embed(msgspec.Struct, tag="embed", array_like=True, kw_only=True):

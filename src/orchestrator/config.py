@@ -67,6 +67,7 @@ class Timeouts:
 DEFAULT_BACKOFF_INITIAL_S = 0.5
 DEFAULT_BACKOFF_MAX_S = 30.0
 DEFAULT_MAX_CRASHES = 5
+DEFAULT_MAX_RESUMES = 2
 DEFAULT_CRASH_WINDOW_S = 60.0
 DEFAULT_MONITOR_INTERVAL_S = 1.0
 
@@ -97,6 +98,8 @@ class Supervision:
     backoff_max_s: float = DEFAULT_BACKOFF_MAX_S
     max_crashes: int = DEFAULT_MAX_CRASHES
     crash_window_s: float = DEFAULT_CRASH_WINDOW_S
+    #: How many times one request goes on after its worker died (`Slot`); the next death fails it.
+    max_resumes: int = DEFAULT_MAX_RESUMES
     keep_alive_s: float | None = None
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     #: Clear workers' MLX caches under "warning" memory pressure.
@@ -113,6 +116,7 @@ class Supervision:
             backoff_max_s=_env_float("MLXRT_BACKOFF_MAX_S", DEFAULT_BACKOFF_MAX_S),
             max_crashes=int(_env_float("MLXRT_MAX_CRASHES", DEFAULT_MAX_CRASHES)),
             crash_window_s=_env_float("MLXRT_CRASH_WINDOW_S", DEFAULT_CRASH_WINDOW_S),
+            max_resumes=_env_int("MLXRT_MAX_RESUMES", DEFAULT_MAX_RESUMES),
             keep_alive_s=_env_opt_float("MLXRT_KEEP_ALIVE_S"),
             monitor_interval_s=_env_float("MLXRT_MONITOR_INTERVAL_S", DEFAULT_MONITOR_INTERVAL_S),
         )

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -47,6 +47,7 @@ from ..ipc.protocol import (
     Ping,
     Pong,
     Ready,
+    Resume,
     Shutdown,
     Started,
     Tokens,
@@ -78,6 +79,32 @@ class Entry:
     #: While it waits for a worker (queued, or replayed after a crash), it fails at this
     #: `time.monotonic()` (its submission plus `Timeouts.queue_s`).
     deadline: float = float("inf")
+    #: What the caller has got, for a resume if the worker dies (`Slot`): each choice's token ids, by
+    #: choice index, and the choices that have ended.
+    got: dict[int, list[int]] = field(default_factory=dict)
+    ended: set[int] = field(default_factory=set)
+    #: Times it went on after its worker died.
+    resumes: int = 0
+
+    def took(self, msg: Tokens) -> None:
+        """Note tokens passed to the caller."""
+        index = msg.index if type(msg) is DetailedTokens else 0
+        got = self.got.get(index)
+        if got is None:
+            self.got[index] = list(msg.token_ids)
+        else:
+            got += msg.token_ids
+
+    def resumed(self, queue_s: float) -> None:
+        """Make the request go on from what the caller has got, on the next worker (`Generate.resume`),
+        waiting for one at most `queue_s` from now."""
+        self.resumes += 1
+        n = self.req.params.n
+        resume = Resume(tokens=[self.got.get(i, []) for i in range(n)], ended=sorted(self.ended),
+                        count=self.resumes)
+        self.req = msgspec.structs.replace(self.req, resume=resume)
+        self.started = False
+        self.deadline = time.monotonic() + queue_s
 
 
 #: on_exit(handle, error, entries): called once from the reader thread when the worker is gone,
@@ -137,6 +164,8 @@ class WorkerInfo:
     requests: int
     tokens: int
     restarts: int = 0
+    #: Requests that went on after a worker of this slot died (`MLXRT_MAX_RESUMES`).
+    resumes: int = 0
     #: Of `in_flight`: sequences in the worker's batch, and requests waiting for a place in it.
     batch_size: int = 0
     queued: int = 0
@@ -171,8 +200,11 @@ class WorkerHandle:
         argv: list[str] | None = None,
         on_exit: ExitCallback = _fail_all,
         prompt_cache_share: int = 1,
+        device: str | None = None,
     ) -> None:
         self.model = model
+        #: The GPU this worker may use (its CUDA_VISIBLE_DEVICES), on a host of several; None: as inherited.
+        self.device = device
         self.engine = engine or EngineOptions()
         #: How many workers split the auto prompt cache cap (`Hello.prompt_cache_share`).
         self.prompt_cache_share = prompt_cache_share
@@ -235,6 +267,7 @@ class WorkerHandle:
             stderr=subprocess.PIPE,
             pass_fds=pass_fds,
             bufsize=0,
+            env=None if self.device is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.device},
             **self._popen_extra(),
         )
         self.pid = self.proc.pid
@@ -533,10 +566,12 @@ class WorkerHandle:
                     self._tokens += len(msg.token_ids)
                     entry = sinks.get(msg.id)
                     if entry is not None:
+                        entry.took(msg)
                         entry.sink(msg)
                 elif type(msg) is Done and not msg.final:  # one of n choices ended; others run on
                     entry = sinks.get(msg.id)
                     if entry is not None:
+                        entry.ended.add(msg.index)
                         entry.sink(msg)
                 elif type(msg) is Started:
                     entry = sinks.get(msg.id)

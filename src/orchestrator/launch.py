@@ -287,6 +287,19 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def local_gpus() -> list[str]:
+    """The NVIDIA GPUs a worker started here may use, as CUDA_VISIBLE_DEVICES entries: this process's own
+    CUDA_VISIBLE_DEVICES where set, else one per GPU the driver lists (/proc/driver/nvidia/gpus); none on
+    a machine without NVIDIA's driver (a Mac, a CPU host)."""
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mine is not None:
+        return [d.strip() for d in mine.split(",") if d.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
 def _visible_devices(hosts: list[HostEntry]) -> list[str]:
     """CUDA_VISIBLE_DEVICES per rank: its index among the ranks of its host, through this
     process's own CUDA_VISIBLE_DEVICES where set (rank 0's host)."""

@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import structlog
 
@@ -27,7 +27,7 @@ from .config import Supervision, Timeouts, engine_from_env
 from .errors import MemoryPressureError, MlxrtError, ModelFailedError
 from .group import GroupHandle
 from .handle import WorkerHandle
-from .launch import Group
+from .launch import Group, local_gpus
 from .options import ModelSpec, as_spec, prepare
 from .request import Request, check_model
 from .routing import PrefixRouter, block_keys
@@ -101,6 +101,10 @@ class Pool:
         # The workers that leave the prompt cache cap on auto split it: together they stay within the
         # machine's share (a spare takes a dead worker's place, so it counts as that one).
         share = workers * sum(o.prompt_cache_bytes is None for o in self.options.values())
+        # On a host of several GPUs each single worker gets one, in turn: MLX's CUDA backend running one
+        # worker across all of them failed its warm-up (docs/benchmarks/gpu-h200-group.md).
+        found = local_gpus()
+        gpus = itertools.cycle(found) if len(found) > 1 else None
         for name, target in targets.items():
             plan = plans.get(name)
             handle = WorkerHandle if plan is None else functools.partial(GroupHandle, plan=plan)
@@ -116,13 +120,10 @@ class Pool:
                 argv=worker_argv,
                 prompt_cache_share=max(1, share),
             )
-            make = functools.partial(
-                Slot, name, lambda on_exit, spawn=spawn: spawn(on_exit=on_exit), supervision,
-                queue_s=timeouts.queue_s, wake=self._queued.set,
-            )
             take = functools.partial(self._take_spare, name)
-            self.slots[name] = [make(take_spare=take) for _ in range(workers)]
-            self.spares[name] = [make(standby=True) for _ in range(spares)]
+            own = gpus if plan is None else None  # a group places its ranks itself (launch.py)
+            self.slots[name] = [self._slot(name, spawn, own, take_spare=take) for _ in range(workers)]
+            self.spares[name] = [self._slot(name, spawn, own, standby=True) for _ in range(spares)]
         try:
             for slot in self.all():
                 slot.begin()
@@ -136,6 +137,13 @@ class Pool:
         self._monitor.start()
         self._waiting = threading.Thread(target=self._mind_waiting, name="mlxrt-waiting", daemon=True)
         self._waiting.start()
+
+    def _slot(self, name: str, spawn, gpus: Iterator[str] | None, **kwargs) -> Slot:
+        """A slot of model `name` whose workers `spawn` starts, each on the next of `gpus` (if several)."""
+        device = next(gpus) if gpus is not None else None
+        placed = {} if device is None else {"device": device}
+        return Slot(name, lambda on_exit: spawn(on_exit=on_exit, **placed), self.supervision,
+                    queue_s=self.timeouts.queue_s, wake=self._queued.set, **kwargs)
 
     def all(self) -> list[Slot]:
         """Every slot: the active ones, then the spares."""

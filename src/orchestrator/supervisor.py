@@ -12,10 +12,17 @@
     ready    --idle keep_alive_s--> unloaded --next request--> starting
     any      --close()--> stopped
 
-When a worker dies, requests that had produced tokens fail at once with
-`WorkerDied`; requests that had not (queued in the worker, or sent in the
-instant before the death was noticed) are replayed once on the replacement,
-so a caller who asks right after a crash gets an answer. Requests that arrive
+When a worker dies, the requests it had begun go on, on the next worker of
+the slot (a spare, or the restarted one) or of a sibling slot: each is sent
+again with the tokens its caller already has (`Generate.resume`), which the new
+worker prefills as prompt and feeds through the reply's text, grammar and
+sampler state without sending them, so the caller sees a pause, and a greedy or
+seeded reply the tokens it would have had. A request goes on at most
+`Supervision.max_resumes` times (MLXRT_MAX_RESUMES); the next death fails it
+with `WorkerDied`, so a request that kills workers cannot walk through the pool.
+Requests the worker had not begun (queued in it, or sent in the instant before
+the death was noticed) are replayed once on the replacement, so a caller who
+asks right after a crash gets an answer. Requests that arrive
 while no worker is ready wait in the slot's pending queue rather than failing,
 each until its deadline, `Timeouts.queue_s` after its submission (a replayed
 request keeps the deadline it had): then it fails with `MlxrtTimeout` naming
@@ -102,6 +109,8 @@ class Slot:
         self._closing = False
         self._failure = ""
         self.restarts = 0
+        #: Requests that went on after their worker died (`Entry.resumed`).
+        self.resumes = 0
         #: The last Ready report of this slot's workers: kept across restarts and unloads.
         self.ready: Ready | None = None
         self.last_used = time.monotonic()
@@ -249,12 +258,22 @@ class Slot:
                 else:  # stopped on purpose: close
                     self.state = "stopped"
             replay = not self._closing and self.state != "failed"
+            resumes = self._policy.max_resumes
             for e in reversed(entries):  # appendleft: keep their order, ahead of newer requests
                 if e.cancelled:
                     ends.append((e, Done(id=e.req.id, stats=Stats(finish_reason="cancelled"))))
                 elif replay and not e.started and not e.replayed:
                     e.replayed = True
                     self._pending.appendleft(e)
+                elif replay and e.started and type(e.req) is Generate and e.resumes < resumes:
+                    e.resumed(self._queue_s)
+                    self.resumes += 1
+                    log.warning("request.resumed", slot=self.name, model=self.model_name, id=e.req.id,
+                                worker=handle.name, tokens=sum(map(len, e.got.values())), resume=e.resumes)
+                    self._pending.appendleft(e)
+                elif replay and e.started and type(e.req) is Generate:
+                    ends.append((e, WorkerDied(f"{error}; request {e.req.id} went on after a worker died "
+                                               f"{e.resumes} time(s) already (set MLXRT_MAX_RESUMES)")))
                 else:
                     ends.append((e, error))
             ready = self.handle
@@ -493,5 +512,5 @@ class Slot:
             base = h.info()
         state = base.state if self.state == "ready" else self.state
         waiting = len(self._pending)
-        return replace(base, state=state, restarts=self.restarts, spare=self.standby,
+        return replace(base, state=state, restarts=self.restarts, resumes=self.resumes, spare=self.standby,
                        in_flight=base.in_flight + waiting, queued=base.queued + waiting)

@@ -353,6 +353,15 @@ PRESETS: dict[str, Preset] = {
         rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     ),
+    # meta-llama/Llama-3.3-70B-Instruct config.json: a shape for worker groups across GPUs (about 40 GB)
+    "llama3.3-70b-4bit": _real(
+        "llama", "meta-llama/Llama-3.3-70B-Instruct config.json", 128256, "Llama-3.3-70B shape, 4-bit",
+        hidden_size=8192, num_hidden_layers=80, intermediate_size=28672, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    ),
     # Qwen/Qwen3-8B config.json
     "qwen3-8b-4bit": _real(
         "qwen3", "Qwen/Qwen3-8B config.json", 151936, "Qwen3-8B shape, 4-bit",

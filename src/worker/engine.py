@@ -86,12 +86,13 @@ from .grammar import GrammarCache, StepMasks
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
 from .limits import auto_prompt_cache_bytes, on_cuda, prefill_steps, prefill_token_cap
 from .logprobs import TokenBytes, token_logprobs
-from .prefill import ChunkSizer, Prefill, passed_over, pick, run_chunk, split_last
+from .prefill import ChunkSizer, Prefill, PrefillScheduler, _segments
 from .prefix_cache import PrefixCache
 from .prompt import DEFAULT_CONTEXT_LENGTH, PromptBuilder, capabilities, check_request, reasoning_open
 from .prompt_file import load_prompt_file
 from .reply import make_splitter, split_emit
 from .sequence import (
+    BatchStepError,
     Listener,
     Sequence,
     TextStream,
@@ -107,10 +108,6 @@ WARMUP_PROMPT = "Warm up the kernels."
 #: A warm-up prompt between the quantised matmul's 16- and 64-row tiles: its own 32-row kernel,
 #: compiled on first use (35 s on an H100 for a 4k-token prompt whose last chunk was 26 tokens).
 MID_WARMUP_TOKENS = 24
-
-
-class BatchStepError(RuntimeError):
-    """A batch step failed; every request in that batch fails with this."""
 
 
 class ModelKindError(ValueError):
@@ -129,7 +126,7 @@ def resolve_model_path(model: str) -> str:
     return str(ensure_synthetic(parse_synthetic(model[len(SYNTHETIC_PREFIX) :])))
 
 
-class Engine(PromptBuilder):
+class Engine(PromptBuilder, PrefillScheduler):
     """One loaded model serving many requests in one batch; every method runs on one thread."""
 
     def __init__(
@@ -233,11 +230,16 @@ class Engine(PromptBuilder):
         try:
             if isinstance(req, Embed):
                 raise ModelKindError(f"model {self.path} is not an embedding model: it has no embeddings")
-            seq = self._sequence(req, listener, queued_at or time.perf_counter())
+            seqs = self._sequences(req, listener, queued_at or time.perf_counter())
         except Exception as exc:
             listener.failed(req.id, exc)
             return
-        self._waiting.append(seq)
+        for seq in seqs:
+            if seq.ended:  # resumed where its reply had already ended: the worker that died missed its end
+                seq.listener.started(req.id)
+                self._send_done(seq, seq.ended)
+            else:
+                self._waiting.append(seq)
 
     def prepare(self, req: Generate) -> None:
         """What can be done for `req` off the MLX thread, before `submit` (any thread): compile its
@@ -448,8 +450,9 @@ class Engine(PromptBuilder):
             raise box.error
 
     # -- a request's way in ----------------------------------------------------
-    def _sequence(self, req: Generate, listener: Listener, queued_at: float) -> Sequence:
-        """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`."""
+    def _sequences(self, req: Generate, listener: Listener, queued_at: float) -> list[Sequence]:
+        """Check and tokenize `req`: its first choice's sequence, the other choices (n > 1) its `forks`;
+        a resumed request's choices that had not ended, each on its own (their replies differ)."""
         p = req.params
         p.check_vocabulary(self.vocab_size)
         check_request(req.chat, self.capabilities, self.path)
@@ -458,13 +461,21 @@ class Engine(PromptBuilder):
         reuse = self.prefix_cache.enabled and req.messages
         system_end = self.system_end(req, ids) if reuse else 0
         turn_end = self._turn_end(req, ids) if reuse else 0
+        resume = req.resume
+        choices = [i for i in range(p.n) if resume is None or i not in resume.ended]
         # Only requests that ask for log-probabilities or several choices get the choices' listeners.
         group = ChoiceGroup(listener, p.n) if p.n > 1 or p.logprobs is not None else None
+        if group is not None:
+            group.left = len(choices)
         seqs = [self._choice(req, ids, i, grammar=grammar, system_end=system_end, turn_end=turn_end,
                              queued_at=queued_at, listener=listener if group is None else group.choices[i])
-                for i in range(p.n)]
+                for i in choices]
+        if resume is not None:
+            for seq, i in zip(seqs, choices, strict=True):
+                seq.replay(resume.tokens[i] if i < len(resume.tokens) else [], resume.count)
+            return seqs
         seqs[0].forks = seqs[1:]
-        return seqs[0]
+        return seqs[:1]
 
     def _choice(self, req: Generate, ids: list[int], index: int, *, grammar: Grammar | None,
                 system_end: int, turn_end: int, queued_at: float, listener: Listener) -> Sequence:
@@ -528,137 +539,6 @@ class Engine(PromptBuilder):
             except Exception as exc:
                 self._failed(seq, exc)
         self._waiting.extendleft(reversed(following))
-
-    def _insert(self, seq: Sequence) -> None:
-        if seq.start is not None:  # a choice forked at the end of its leader's prompt
-            (cache, n), seq.start = seq.start, None
-        else:
-            cache, n = self.prefix_cache.fetch(seq.ids)
-        cache = full_precision(cache)  # a lone sequence's quantized cache: the batch cannot merge it
-        seq.cached_tokens = n
-        segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
-                                    fork=bool(seq.forks), turn_end=seq.turn_end)
-        if self.scheduled:
-            self._queue_prefill(seq, cache, segments, kinds, list(seq.ids[:n]))
-            return
-        (seq.uid,) = self._batch.insert_segments(
-            [segments],
-            max_tokens=[seq.max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[seq.ids[:n]],
-            samplers=[seq.sampler],
-            logits_processors=[seq.processors],
-            stop_sequences=[seq.stop],
-        )
-        seq.checkpoint_kinds = kinds
-        seq.admitted_at = time.perf_counter()
-        self._running[seq.uid] = seq
-        if seq.logprobs is not None:
-            self._with_logprobs.add(seq.uid)
-        if "system" in kinds:
-            seq.leads = tuple(seq.ids[: seq.system_end])
-            self._leaders[seq.leads] = seq.uid
-        seq.listener.started(seq.req.id)
-        if seq.forks and len(seq.ids) - n <= 1:  # one token to prefill, no boundary: the others start alike
-            self._release_forks(seq, None)
-
-    # -- the prefill scheduler (prefill.py) ------------------------------------------
-    def _queue_prefill(self, seq: Sequence, cache: list | None, segments: list, kinds: list,
-                       tokens: list[int]) -> None:
-        """Admit `seq` to the prefill scheduler, on a cache of its own, with the prompt `segments`
-        still to prefill after `tokens` (those in `cache`)."""
-        if cache is None:
-            cache = make_cache(self.model, self.options.max_kv_size)
-        seq.checkpoint_kinds = kinds
-        seq.admitted_at = time.perf_counter()
-        self._add_prefill(seq, cache, split_last(segments), tokens)
-        seq.listener.started(seq.req.id)
-        if seq.forks and len(seq.ids) - seq.cached_tokens <= 1:  # as `_insert`: nothing to fork from
-            self._release_forks(seq, None)
-
-    def _add_prefill(self, seq: Sequence, cache: list, segments: list, tokens: list[int]) -> None:
-        self._admitted += 1
-        self._prefills.append(Prefill(seq, cache, segments, tokens, order=self._admitted))
-        if "system" in seq.checkpoint_kinds:  # its system prompt is still to come: others may follow it
-            seq.leads = tuple(seq.ids[: seq.system_end])
-            self._leaders[seq.leads] = -1  # no batch uid yet: only its presence counts
-
-    def _prefill_step(self) -> None:
-        """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
-        chooses, each sized by the measured rate; a prompt left with its last token joins the batch."""
-        for p in [p for p in self._prefills if p.ready]:
-            self._join(p)
-        spent = 0.0
-        while self._prefills and spent * 1e3 < self.sizer.budget_ms:
-            p = pick(self._prefills)
-            try:
-                n, seconds, ended = run_chunk(self.model, p, self.sizer.size(spent * 1e3), self._batch.stream)
-            except Exception as exc:
-                reseed()
-                self._prefills.remove(p)
-                error = BatchStepError(f"prefill step failed: {exc!r}")
-                error.__cause__ = exc
-                self._unlead(p.seq)
-                self._failed(p.seq, error)
-                continue
-            self.sizer.record(n, seconds)
-            self.prefill_tokens += n
-            passed_over(self._prefills, p, seconds)
-            spent += seconds
-            if ended and p.segments:
-                self._boundary(p)
-            if p.ready:
-                self._join(p)
-
-    def _boundary(self, p: Prefill) -> None:
-        """`p`'s prefill reached a segment's end: keep its checkpoint, release its forks, as the batch's
-        `_checkpoint` does."""
-        seq = p.seq
-        if not seq.checkpoint_kinds:
-            return
-        kind = seq.checkpoint_kinds.pop()
-        if seq.forks and not seq.checkpoint_kinds:  # the prompt's end: its other choices start
-            self._release_forks(seq, (p.cache, len(p.tokens)))
-        if kind is not None:  # the cache goes on: keep a copy
-            self.prefix_cache.insert(list(p.tokens), copy.deepcopy(p.cache), kind)
-        if kind == "system":
-            self._unlead(seq)
-
-    def _join(self, p: Prefill) -> None:
-        """`p` is prefilled but for its last token: it joins the batch, whose next step decodes it."""
-        self._prefills.remove(p)
-        seq = p.seq
-        try:
-            (seq.uid,) = self._batch.insert_segments(
-                [p.segments],
-                max_tokens=[seq.max_tokens],
-                caches=[p.cache],
-                all_tokens=[p.tokens],
-                samplers=[seq.sampler],
-                logits_processors=[seq.processors],
-                stop_sequences=[seq.stop],
-            )
-        except Exception as exc:
-            self._unlead(seq)
-            self._failed(seq, exc)
-            return
-        self._running[seq.uid] = seq
-        if seq.logprobs is not None:
-            self._with_logprobs.add(seq.uid)
-
-    def _release_forks(self, seq: Sequence, start: tuple[list, int] | None) -> None:
-        """`seq`'s prompt is prefilled up to its last token: its other choices start from a copy of
-        that cache (`start`; None: each from the prefix cache, as `seq` did), ahead of the queue."""
-        forks, seq.forks = seq.forks, []
-        for fork in forks:
-            fork.start = None if start is None else (copy.deepcopy(start[0]), start[1])
-        self._waiting.extendleft(reversed(forks))
-
-    def _end_forks(self, seq: Sequence) -> None:
-        """`seq` ended before its prompt was prefilled (cancelled): its other choices end with it."""
-        forks, seq.forks = seq.forks, []
-        for fork in forks:
-            fork.listener.done(fork.req.id, fork.stats("cancelled"), "")
 
     def _failed(self, seq: Sequence, exc: BaseException) -> None:
         """`seq` failed: its request fails (once), and the request's other choices are cancelled."""
@@ -763,28 +643,6 @@ class Engine(PromptBuilder):
             self._leaders[seq.leads] = seq.uid
 
     # -- a step's results ------------------------------------------------------
-    def _checkpoint(self, seq: Sequence) -> None:
-        """Keep the cache at the prompt boundary just reached."""
-        if not seq.checkpoint_kinds:
-            return
-        kind = seq.checkpoint_kinds.pop()
-        forking = bool(seq.forks) and not seq.checkpoint_kinds  # the prompt's end: its other choices start
-        if kind is None and not forking:
-            return
-        for cache, tokens in self._batch.extract_cache([seq.uid]).values():
-            if forking:
-                self._release_forks(seq, (cache, len(tokens)))
-            if kind is not None:
-                self.prefix_cache.insert(tokens, cache, kind)
-        if kind == "system":
-            self._unlead(seq)
-
-    def _unlead(self, seq: Sequence) -> None:
-        """`seq` no longer prefills a system prompt for others: its followers may start."""
-        if seq.leads is not None:
-            self._leaders.pop(seq.leads, None)
-            seq.leads = None
-
     def _plan_masks(self) -> None:
         """Name the decoding rows whose grammar consumes the token sampled last step, with those tokens
         (not yet read), so that the step's first grammar row advances and masks them all at once."""
@@ -873,6 +731,10 @@ class Engine(PromptBuilder):
         if seq.first_at and seq.admitted_at and seq.first_at > seq.admitted_at:
             prefilled = len(seq.ids) - seq.cached_tokens
             self.prefix_cache.note_prefill(prefilled, prefilled / (seq.first_at - seq.admitted_at))
+        self._send_done(seq, reason)
+
+    def _send_done(self, seq: Sequence, reason: str) -> None:
+        """The reply's last text (held back until now) and its stats, to its listener."""
         rest = seq.text.finish()
         if seq.reply is None:
             seq.listener.done(seq.req.id, seq.stats(reason), rest)
@@ -919,33 +781,6 @@ def _always_trimmable(cache: list) -> bool:
     cache says now.
     """
     return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
-
-
-def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
-              fork: bool = False, turn_end: int = 0) -> tuple[list, list[str | None]]:
-    """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
-
-    An uncached system prompt is a segment of its own, checkpointed, so that
-    chats arriving beside this one start from it. mlx-lm splits the last
-    token off into a segment of its own, so the end of the prompt before it
-    is a boundary too: a cache that cannot be trimmed is checkpointed there
-    ("user": the next turn of this chat starts with this whole prompt); a
-    trimmable one needs no such checkpoint, the finished sequence's cache
-    is trimmed back instead. A sequence with other choices to fork (n > 1) needs
-    that boundary whatever its cache: they start from its cache there.
-
-    `turn_end` (`Engine._turn_end`): a tail of the prompt the next turn does not repeat begins there; it
-    is a segment of its own, the "user" checkpoint goes before it, and the boundary before the
-    prompt's last token keeps nothing (None) unless choices fork there.
-    """
-    end: list[str | None] = [] if trimmable and not fork else ["user"]
-    cuts = [system_end] if cached < system_end else []
-    if end and max(cached, system_end) < turn_end < len(ids) - 1:
-        cuts.append(turn_end)
-        end = [None, "user"]
-    bounds = [cached, *cuts, len(ids)]
-    segments = [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    return segments, [*end, *(["system"] if cached < system_end else [])]
 
 
 class _Quiet:

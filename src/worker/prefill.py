@@ -16,18 +16,29 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
   flood of short prompts starves a long one nor a stream of long ones a short one, and long prompts
   take turns.
 
-A chunk never crosses a segment boundary (`engine._segments`), so the engine keeps its checkpoints
+A chunk never crosses a segment boundary (`_segments`), so the engine keeps its checkpoints
 (system prompt, end of prompt) and releases forked choices exactly where the batch would.
+
+`PrefillScheduler`, a base class of `Engine` (as `prompt.PromptBuilder` is), holds the engine's side:
+an admitted sequence's way into the batch (`_insert`), directly or through the scheduler's chunks
+(`_prefill_step`), and what happens at its prompt's boundaries (checkpoints, forked choices, the
+system prompts others wait for).
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .sequence import Sequence
+from ..ipc.protocol import EngineOptions
+from .kvcache import full_precision, make_cache
+from .prefix_cache import PrefixCache
+from .sequence import BatchStepError, Sequence, reseed
 
 #: The smallest chunk the budget may ask for: below it, per-call overheads outweigh the work.
 MIN_CHUNK_TOKENS = 32
@@ -142,3 +153,208 @@ def run_chunk(model, p: Prefill, size: int, stream) -> tuple[int, float, bool]:
     if ended:
         p.segments.pop(0)
     return len(chunk), seconds, ended
+
+
+class PrefillScheduler:
+    """How an admitted sequence reaches the batch: inserted with its prompt (no budget), or prefilled
+    here chunk by chunk and inserted at its last token; its prompt's checkpoints on the way.
+
+    Part of `Engine` (a base class), whose state it reads and changes: the attributes below.
+    """
+
+    model: Any
+    options: EngineOptions
+    prefix_cache: PrefixCache
+    trimmable: bool  # every layer's cache can be trimmed: no "user" checkpoint needed
+    scheduled: bool  # prompts are prefilled here in budgeted chunks (else by mlx-lm, in the batch)
+    sizer: ChunkSizer
+    prefill_tokens: int
+    _batch: Any  # mlx-lm's BatchGenerator
+    _waiting: deque[Sequence]
+    _running: dict[int, Sequence]
+    _with_logprobs: set[int]
+    _leaders: dict[tuple[int, ...], int]
+    _prefills: list[Prefill]
+    _admitted: int
+
+    if TYPE_CHECKING:
+        def _failed(self, seq: Sequence, exc: BaseException) -> None: ...
+
+    def _insert(self, seq: Sequence) -> None:
+        if seq.start is not None:  # a choice forked at the end of its leader's prompt
+            (cache, n), seq.start = seq.start, None
+        else:
+            cache, n = self.prefix_cache.fetch(seq.ids)
+        cache = full_precision(cache)  # a lone sequence's quantized cache: the batch cannot merge it
+        seq.cached_tokens = n
+        segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
+                                    fork=bool(seq.forks), turn_end=seq.turn_end)
+        if self.scheduled:
+            self._queue_prefill(seq, cache, segments, kinds, list(seq.ids[:n]))
+            return
+        (seq.uid,) = self._batch.insert_segments(
+            [segments],
+            max_tokens=[seq.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[seq.ids[:n]],
+            samplers=[seq.sampler],
+            logits_processors=[seq.processors],
+            stop_sequences=[seq.stop],
+        )
+        seq.checkpoint_kinds = kinds
+        seq.admitted_at = time.perf_counter()
+        self._running[seq.uid] = seq
+        if seq.logprobs is not None:
+            self._with_logprobs.add(seq.uid)
+        if "system" in kinds:
+            seq.leads = tuple(seq.ids[: seq.system_end])
+            self._leaders[seq.leads] = seq.uid
+        seq.listener.started(seq.req.id)
+        if seq.forks and len(seq.ids) - n <= 1:  # one token to prefill, no boundary: the others start alike
+            self._release_forks(seq, None)
+
+    def _queue_prefill(self, seq: Sequence, cache: list | None, segments: list, kinds: list,
+                       tokens: list[int]) -> None:
+        """Admit `seq` to the prefill scheduler, on a cache of its own, with the prompt `segments`
+        still to prefill after `tokens` (those in `cache`)."""
+        if cache is None:
+            cache = make_cache(self.model, self.options.max_kv_size)
+        seq.checkpoint_kinds = kinds
+        seq.admitted_at = time.perf_counter()
+        self._add_prefill(seq, cache, split_last(segments), tokens)
+        seq.listener.started(seq.req.id)
+        if seq.forks and len(seq.ids) - seq.cached_tokens <= 1:  # as `_insert`: nothing to fork from
+            self._release_forks(seq, None)
+
+    def _add_prefill(self, seq: Sequence, cache: list, segments: list, tokens: list[int]) -> None:
+        self._admitted += 1
+        self._prefills.append(Prefill(seq, cache, segments, tokens, order=self._admitted))
+        if "system" in seq.checkpoint_kinds:  # its system prompt is still to come: others may follow it
+            seq.leads = tuple(seq.ids[: seq.system_end])
+            self._leaders[seq.leads] = -1  # no batch uid yet: only its presence counts
+
+    def _prefill_step(self) -> None:
+        """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
+        chooses, each sized by the measured rate; a prompt left with its last token joins the batch."""
+        for p in [p for p in self._prefills if p.ready]:
+            self._join(p)
+        spent = 0.0
+        while self._prefills and spent * 1e3 < self.sizer.budget_ms:
+            p = pick(self._prefills)
+            try:
+                n, seconds, ended = run_chunk(self.model, p, self.sizer.size(spent * 1e3), self._batch.stream)
+            except Exception as exc:
+                reseed()
+                self._prefills.remove(p)
+                error = BatchStepError(f"prefill step failed: {exc!r}")
+                error.__cause__ = exc
+                self._unlead(p.seq)
+                self._failed(p.seq, error)
+                continue
+            self.sizer.record(n, seconds)
+            self.prefill_tokens += n
+            passed_over(self._prefills, p, seconds)
+            spent += seconds
+            if ended and p.segments:
+                self._boundary(p)
+            if p.ready:
+                self._join(p)
+
+    def _boundary(self, p: Prefill) -> None:
+        """`p`'s prefill reached a segment's end: keep its checkpoint, release its forks, as the batch's
+        `_checkpoint` does."""
+        seq = p.seq
+        if not seq.checkpoint_kinds:
+            return
+        kind = seq.checkpoint_kinds.pop()
+        if seq.forks and not seq.checkpoint_kinds:  # the prompt's end: its other choices start
+            self._release_forks(seq, (p.cache, len(p.tokens)))
+        if kind is not None:  # the cache goes on: keep a copy
+            self.prefix_cache.insert(list(p.tokens), copy.deepcopy(p.cache), kind)
+        if kind == "system":
+            self._unlead(seq)
+
+    def _join(self, p: Prefill) -> None:
+        """`p` is prefilled but for its last token: it joins the batch, whose next step decodes it."""
+        self._prefills.remove(p)
+        seq = p.seq
+        try:
+            (seq.uid,) = self._batch.insert_segments(
+                [p.segments],
+                max_tokens=[seq.max_tokens],
+                caches=[p.cache],
+                all_tokens=[p.tokens],
+                samplers=[seq.sampler],
+                logits_processors=[seq.processors],
+                stop_sequences=[seq.stop],
+            )
+        except Exception as exc:
+            self._unlead(seq)
+            self._failed(seq, exc)
+            return
+        self._running[seq.uid] = seq
+        if seq.logprobs is not None:
+            self._with_logprobs.add(seq.uid)
+
+    def _release_forks(self, seq: Sequence, start: tuple[list, int] | None) -> None:
+        """`seq`'s prompt is prefilled up to its last token: its other choices start from a copy of
+        that cache (`start`; None: each from the prefix cache, as `seq` did), ahead of the queue."""
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            fork.start = None if start is None else (copy.deepcopy(start[0]), start[1])
+        self._waiting.extendleft(reversed(forks))
+
+    def _end_forks(self, seq: Sequence) -> None:
+        """`seq` ended before its prompt was prefilled (cancelled): its other choices end with it."""
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            fork.listener.done(fork.req.id, fork.stats("cancelled"), "")
+
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Keep the cache at the prompt boundary just reached."""
+        if not seq.checkpoint_kinds:
+            return
+        kind = seq.checkpoint_kinds.pop()
+        forking = bool(seq.forks) and not seq.checkpoint_kinds  # the prompt's end: its other choices start
+        if kind is None and not forking:
+            return
+        for cache, tokens in self._batch.extract_cache([seq.uid]).values():
+            if forking:
+                self._release_forks(seq, (cache, len(tokens)))
+            if kind is not None:
+                self.prefix_cache.insert(tokens, cache, kind)
+        if kind == "system":
+            self._unlead(seq)
+
+    def _unlead(self, seq: Sequence) -> None:
+        """`seq` no longer prefills a system prompt for others: its followers may start."""
+        if seq.leads is not None:
+            self._leaders.pop(seq.leads, None)
+            seq.leads = None
+
+
+def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
+              fork: bool = False, turn_end: int = 0) -> tuple[list, list[str | None]]:
+    """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
+
+    An uncached system prompt is a segment of its own, checkpointed, so that
+    chats arriving beside this one start from it. mlx-lm splits the last
+    token off into a segment of its own, so the end of the prompt before it
+    is a boundary too: a cache that cannot be trimmed is checkpointed there
+    ("user": the next turn of this chat starts with this whole prompt); a
+    trimmable one needs no such checkpoint, the finished sequence's cache
+    is trimmed back instead. A sequence with other choices to fork (n > 1) needs
+    that boundary whatever its cache: they start from its cache there.
+
+    `turn_end` (`Engine._turn_end`): a tail of the prompt the next turn does not repeat begins there; it
+    is a segment of its own, the "user" checkpoint goes before it, and the boundary before the
+    prompt's last token keeps nothing (None) unless choices fork there.
+    """
+    end: list[str | None] = [] if trimmable and not fork else ["user"]
+    cuts = [system_end] if cached < system_end else []
+    if end and max(cached, system_end) < turn_end < len(ids) - 1:
+        cuts.append(turn_end)
+        end = [None, "user"]
+    bounds = [cached, *cuts, len(ids)]
+    segments = [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return segments, [*end, *(["system"] if cached < system_end else [])]

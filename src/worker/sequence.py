@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 EmitFn = Callable[[int, str], None]
 
 
+class BatchStepError(RuntimeError):
+    """A batch step failed; every request in that batch fails with this."""
+
+
 class Listener(Protocol):
     """Where one request's events go; called on the engine's thread, in this order:
     started, token..., then done or failed (failed may also come alone, before started).
@@ -212,6 +216,15 @@ class TextStream:
         self._sent = max(self._sent, safe)
         return False
 
+    def replay(self, tokens: list[int], feed: Callable[[str], object]) -> bool:
+        """Take `tokens` as `add` does, their text going to `feed` instead of being emitted (the caller
+        has it); True if a stop string was hit."""
+        emit, self._emit = self._emit, lambda _token, text: feed(text)
+        try:
+            return any(self.add(t) for t in tokens)  # stops at a stop string, as the reply did
+        finally:
+            self._emit = emit
+
     def finish(self) -> str:
         """Flush the detokenizer; return text not yet emitted (none after a stop string)."""
         if self._stopped:
@@ -291,21 +304,50 @@ class Sequence:
     prefill_wait_s: float = 0.0
     #: The longest time between two of its tokens, seconds.
     longest_gap_s: float = 0.0
+    #: A resumed reply (`replay`): the tokens it had on the worker that died (at the end of `ids`), which
+    #: resume this is, and why it ends without a new token, if it does ("length", "stop").
+    resumed: int = 0
+    resumes: int = 0
+    ended: str | None = None
+
+    def replay(self, tokens: list[int], count: int) -> None:
+        """Go on from `tokens`, the reply so far that a worker which died had sent: they join the prompt,
+        and pass through the text stream, reply splitter, grammar and sampler as if generated here, with
+        nothing sent (docs/supervision.md)."""
+        self.ids = self.ids + tokens
+        self.resumed = self.generated = len(tokens)
+        self.resumes = count
+        self.max_tokens -= len(tokens)
+        if isinstance(self.sampler, KeyedSampler):
+            self.sampler.drawn = len(tokens)
+        con = self.constraint
+        if con is not None and tokens:
+            # The last token is the prompt's last now: the grammar's first call takes it (`Constraint`).
+            for token in tokens[:-1]:
+                if not con.matcher.consume_token(token):
+                    raise ValueError(f"the grammar refuses the resumed reply at token {token}")
+            con.started = True
+        feed = self.reply.feed if self.reply is not None else _drop
+        if self.text.replay(tokens, feed):
+            self.ended = "stop"
+        elif self.max_tokens <= 0:
+            self.ended = "length"
 
     def stats(self, finish: str) -> Stats:
         t0, t1, tn, n = self.admitted_at, self.first_at or self.admitted_at, self.last_at, self.generated
         prefilled = len(self.ids) - self.cached_tokens
+        new = n - self.resumed
         return Stats(
-            prompt_tokens=len(self.ids),
+            prompt_tokens=len(self.ids) - self.resumed,
             prompt_tps=prefilled / max(t1 - t0, 1e-9) if self.first_at else 0.0,
             ttft_ms=(t1 - t0) * 1e3 if self.first_at else 0.0,
             generation_tokens=n,
-            decode_tps=(n - 1) / (tn - t1) if n > 1 and tn > t1 else 0.0,
+            decode_tps=(new - 1) / (tn - t1) if new > 1 and tn > t1 else 0.0,
             decode_ms=(tn - t1) * 1e3 if self.first_at else 0.0,
             queue_ms=(t0 - self.queued_at) * 1e3 if t0 else (time.perf_counter() - self.queued_at) * 1e3,
             peak_memory_bytes=int(mx.get_peak_memory()),
             finish_reason=finish,
-            cached_tokens=self.cached_tokens,
+            cached_tokens=min(self.cached_tokens, len(self.ids) - self.resumed),
             mean_batch_size=self.batch_size_sum / self.steps if self.steps else 0.0,
             stop_sequence=self.text.stop_hit,
             draft_tokens=self.draft_tokens,
@@ -313,4 +355,9 @@ class Sequence:
             prefill_ms=self.prefill_s * 1e3,
             prefill_wait_ms=self.prefill_wait_s * 1e3,
             longest_gap_ms=self.longest_gap_s * 1e3,
+            resumes=self.resumes,
         )
+
+
+def _drop(_text: str) -> None:
+    pass

@@ -61,6 +61,9 @@ class _Workers:
         yield spares
         restarts = CounterMetricFamily("mlxrt_worker_restarts", "Times each worker was restarted.",
                                        labels=["model", "worker"])
+        resumes = CounterMetricFamily("mlxrt_worker_resumes",
+                                      "Requests that went on after a worker of this place died.",
+                                      labels=["model", "worker"])
         tokens = CounterMetricFamily("mlxrt_worker_tokens", "Tokens each worker has produced.",
                                      labels=["model", "worker"])
         in_flight = GaugeMetricFamily("mlxrt_worker_in_flight", "Requests in flight on each worker.",
@@ -72,11 +75,13 @@ class _Workers:
                                    labels=["model", "worker"])
         for w in workers:
             restarts.add_metric([w.model, w.name], w.restarts)
+            resumes.add_metric([w.model, w.name], w.resumes)
             tokens.add_metric([w.model, w.name], w.tokens)
             in_flight.add_metric([w.model, w.name], w.in_flight)
             batch.add_metric([w.model, w.name], w.batch_size)
             queued.add_metric([w.model, w.name], w.queued)
         yield restarts
+        yield resumes
         yield tokens
         yield in_flight
         yield batch

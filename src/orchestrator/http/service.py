@@ -250,6 +250,8 @@ class Generation:
             "prefill_ms": round(stats.prefill_ms, 2),
             "prefill_wait_ms": round(stats.prefill_wait_ms, 2),
         }
+        if stats is not None and stats.resumes:  # it went on after its worker died
+            worker["resumes"] = stats.resumes
         if error:
             worker["error"] = error
         log.info("http.generation", endpoint=self.endpoint, model=self.model, reason=reason,
