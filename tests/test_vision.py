@@ -10,6 +10,7 @@ import http.server
 import io
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -200,6 +201,54 @@ def test_cli_generate_with_an_image(rt, vl_model, tmp_path):
     ref = rt.generate([{"role": "user", "content": QUESTION, "images": [image]}], model="vl", max_tokens=6,
                       ignore_eos=True)
     assert out.stdout.rstrip("\n") == ref.text and stats["prompt_tokens"] == ref.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
+def test_a_resumed_reply_goes_on_where_it_stopped(vl_model, seed):
+    """A request resent after its worker died (`Generate.resume`, the tokens the caller had) goes on with
+    the same tokens, sending none of those again, its text and counts whole (docs/supervision.md)."""
+    from mlxrt.ipc.protocol import ChatMessage, Generate, Resume, SamplingParams
+    from mlxrt.worker.vision import VisionEngine
+    from support import Recorder
+
+    engine = VisionEngine(vl_model)
+    temperature = 0.0 if seed is None else 0.9
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=seed)
+    messages = [ChatMessage("user", QUESTION, images=[png(60, 60)])]
+    whole, rest = Recorder(), Recorder()
+    engine.submit(Generate(id=1, params=params, messages=messages), whole)
+    while engine.busy:
+        engine.step()
+    sent = whole.ids[1][:5]
+    engine.submit(Generate(id=2, params=params, messages=messages, resume=Resume(tokens=[sent])), rest)
+    while engine.busy:
+        engine.step()
+    assert sent + rest.ids[2] == whole.ids[1]
+    assert rest.stats[2].generation_tokens == 12 and rest.stats[2].resumes == 1
+    assert rest.stats[2].prompt_tokens == whole.stats[1].prompt_tokens
+    assert whole.text[1].endswith(rest.text[2]) and rest.text[2]
+
+
+def test_an_image_stream_goes_on_after_its_worker_is_killed(vl_model):
+    """SIGKILL mid-stream on a vision model: the image request is sent again to the restarted worker with
+    the tokens its caller had, and the stream goes on with exactly the uninterrupted run's tokens."""
+    from mlxrt import Supervision
+    from support import FAST, run_with_deadline
+
+    image = png(80, 60)
+    with Runtime(model=vl_model, transport="stdio", supervision=Supervision(**FAST)) as runtime:
+        whole = runtime.generate(chat(image), max_tokens=60, ignore_eos=True)
+        old = runtime.workers[0].pid
+        stream = runtime.stream(chat(image), max_tokens=60, ignore_eos=True)
+        ids: list[int] = []
+        for i, chunk in enumerate(run_with_deadline(lambda: iter(stream), 120)):
+            ids += chunk.tokens
+            if i == 0:
+                os.kill(old, signal.SIGKILL)
+        assert runtime.workers[0].pid != old and runtime.workers[0].resumes == 1
+    assert ids == whole.tokens
+    assert (stream.stats.generation_tokens, stream.stats.resumes) == (60, 1)
+    assert stream.stats.prompt_tokens == whole.stats.prompt_tokens
 
 
 # ---- bad input, refused by name -----------------------------------------------------------------

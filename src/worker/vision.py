@@ -55,7 +55,14 @@ from .prompt import (
     template_message,
 )
 from .reply import make_splitter, split_emit
-from .sequence import Listener, TextStream, make_request_processors, make_request_sampler, reseed
+from .sequence import (
+    KeyedSampler,
+    Listener,
+    TextStream,
+    make_request_processors,
+    make_request_sampler,
+    reseed,
+)
 
 #: Options the vision engine does not take: each is refused by name at load.
 #: (The disk tier, `prompt_cache_dir`, which `mlxrt serve` turns on by default, is left unused, not refused.)
@@ -177,6 +184,9 @@ class _Run:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated: int = 0
+    #: Tokens of the reply a worker that died had sent (`Generate.resume`): generated, not sent again.
+    resumed: int = 0
+    resumes: int = 0
     max_tokens: int = 0
     steps: Any = None  # mlx-vlm's generate_step generator
     text: TextStream | None = None
@@ -185,13 +195,14 @@ class _Run:
 
     def stats(self, finish: str, stop_sequence: str = "") -> Stats:
         t0, t1, tn, n = self.started_at, self.first_at or self.started_at, self.last_at, self.generated
+        new = n - self.resumed
         return Stats(
             prompt_tokens=self.prompt_tokens,
             prompt_tps=((self.prompt_tokens - self.cached_tokens) / max(t1 - t0, 1e-9)) if self.first_at
             else 0.0,
             ttft_ms=(t1 - t0) * 1e3 if self.first_at else 0.0,
             generation_tokens=n,
-            decode_tps=(n - 1) / (tn - t1) if n > 1 and tn > t1 else 0.0,
+            decode_tps=(new - 1) / (tn - t1) if new > 1 and tn > t1 else 0.0,
             decode_ms=(tn - t1) * 1e3 if self.first_at else 0.0,
             queue_ms=((t0 or time.perf_counter()) - self.queued_at) * 1e3,
             peak_memory_bytes=int(mx.get_peak_memory()),
@@ -199,6 +210,7 @@ class _Run:
             cached_tokens=self.cached_tokens,
             mean_batch_size=1.0 if n else 0.0,
             stop_sequence=stop_sequence,
+            resumes=self.resumes,
         )
 
 
@@ -285,7 +297,8 @@ class VisionEngine:
         try:
             if run.steps is None:
                 self._start(run)
-            self._decode(run)
+            if self._run is run:  # (a resumed reply may have ended in its replay)
+                self._decode(run)
         except Exception as exc:
             self._run, run.steps = None, None
             reseed()  # a failed draw can leave MLX's random state broken (sequence.check_sampler)
@@ -354,14 +367,24 @@ class VisionEngine:
         prompt, images = self._prompt(req)
         digests = tuple(hashlib.sha256(data).digest() for data in images)
         key = _key(prompt, digests)
-        plan = self._plan(prompt, images, key, digests)
+        resume = req.resume
+        resumed = list(resume.tokens[0]) if resume is not None and resume.tokens else []
+        plan = self._plan(prompt, images, key, digests, fresh=resume is not None)
         ids, run.cached_tokens = plan.ids, plan.cached
+        if resumed:  # the reply so far joins the prompt (docs/supervision.md, streams outlive workers)
+            plan.inputs = mx.concatenate([plan.inputs, mx.array([resumed], dtype=plan.inputs.dtype)], axis=1)
+            if plan.mask is not None:
+                ones = mx.ones((1, len(resumed)), dtype=plan.mask.dtype)
+                plan.mask = mx.concatenate([plan.mask, ones], axis=1)
         ctx = self._context(req)
         if len(ids) >= ctx:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens (its images' included); the context is "
                                      f"{ctx} tokens")
         p = req.params
+        # The reply's limit, all told: a resumed reply's tokens count toward it.
         run.prompt_tokens, run.max_tokens = len(ids), min(p.max_tokens, ctx - len(ids))
+        run.resumed = run.generated = len(resumed)
+        run.resumes = resume.count if resume is not None else 0
         run.stops = set() if p.ignore_eos else set(self._eos)
         run.stops.update(p.stop_token_ids)
         sampler = make_request_sampler(p) or _greedy
@@ -370,7 +393,10 @@ class VisionEngine:
             run.reply = make_splitter(self.tokenizer, self.capabilities, req.chat, ids)
         emit = split_emit(run.reply, run.listener, req.id)
         run.text = TextStream(self.tokenizer.detokenizer, list(p.stop), emit)
-        run.steps = generate_step(plan.inputs, self.model, plan.pixels, plan.mask, max_tokens=run.max_tokens,
+        if resumed and self._replay(run, resumed, sampler):
+            return
+        run.steps = generate_step(plan.inputs, self.model, plan.pixels, plan.mask,
+                                  max_tokens=run.max_tokens - run.resumed,
                                   sampler=sampler, logits_processors=make_request_processors(p),
                                   prompt_cache=plan.cache, prefill_step_size=self.options.prefill_step_size,
                                   **plan.kwargs)
@@ -381,11 +407,28 @@ class VisionEngine:
             self._keep(key, digests, ids, plan.cache, plan.keep)
         run.steps = _prepend(first, run.steps)
 
+    def _replay(self, run: _Run, tokens: list[int], sampler) -> bool:
+        """Pass a resumed reply's `tokens` through the text stream and reply splitter unsent, the seeded
+        sampler's place after them; True when the reply had already ended there (its end is sent)."""
+        if isinstance(sampler, KeyedSampler):
+            sampler.drawn = len(tokens)
+        assert run.text is not None
+        stopped = run.text.replay(tokens, run.reply.feed if run.reply is not None else _drop)
+        if not stopped and run.generated < run.max_tokens:
+            return False
+        run.listener.started(run.req.id)
+        self._end(run, "stop" if stopped else "length", run.text.stop_hit)
+        return True
+
     def _plan(self, prompt: str | list[int], images: list[bytes], key: str,
-              digests: tuple[bytes, ...]) -> _Plan:
+              digests: tuple[bytes, ...], *, fresh: bool = False) -> _Plan:
         """Where the prefill starts: this exact prompt's KV (its last token left to run), else an earlier
         turn's with the same images (the rest of the prompt to run, its images' tokens all in the kept
-        part), else nothing (the images decoded and encoded, the whole prompt run)."""
+        part), else nothing (the images decoded and encoded, the whole prompt run). `fresh` (a resumed
+        reply, which goes on after the prompt): nothing, and nothing kept."""
+        if fresh:
+            inputs, pixels, mask, kwargs = self._inputs(prompt, images)
+            return _Plan(inputs[0].tolist(), self._new_cache(), inputs, pixels, mask, kwargs)
         entry = self.cache.get(key) if self.cache.cap_bytes else None
         if entry is not None:
             ids = entry.ids
@@ -544,6 +587,10 @@ def _decode_image(i: int, data: bytes):
         return img.convert("RGB")
     except Exception as exc:  # Pillow raises several types for a bad file
         raise InvalidField(f"images[{i}]", f": not a decodable image ({type(exc).__name__})") from None
+
+
+def _drop(_text: str) -> None:
+    pass
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
