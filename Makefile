@@ -1,4 +1,4 @@
-# make test: create .venv, install mlxrt with its test extras and the pinned coding-agent CLIs (npm,
+# make test: create .venv, install mlxrt with its test extras (vision: mlx-vlm, tests/test_vision.py) and the pinned coding-agent CLIs (npm,
 # cached under ~/.cache/mlxrt/agent-clis; tests/agent_clis.py), run the tests.
 # make bench: the same set-up, then the benchmark on the built-in synthetic default.
 PYTHON ?= python3
@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
 # Linux wheels of MLX need a backend extra; macOS gets Metal from plain mlx.
 ifeq ($(UNAME),Linux)
-  EXTRAS ?= cpu,test,bench
+  EXTRAS ?= cpu,test,bench,vision
 else
-  EXTRAS ?= test,bench
+  EXTRAS ?= test,bench,vision
 endif
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))

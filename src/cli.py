@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import structlog
 
@@ -17,7 +18,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .orchestrator.runtime import Runtime
 
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
-    prompt_arg: object = [{"role": "user", "content": prompt}] if args.chat else prompt
+    prompt_arg: object = [{"role": "user", "content": prompt}] if args.chat or args.image else prompt
+    if args.image:  # a vision model's images, in the user message (docs/vision.md)
+        try:
+            prompt_arg[0]["images"] = [Path(p).read_bytes() for p in args.image]  # type: ignore[index]
+        except OSError as exc:
+            print(f"mlxrt: error: --image: {exc}", file=sys.stderr)
+            return 2
     params = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -121,6 +128,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("MLXRT_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         responses_store=args.responses_store,
+        allow_image_urls=args.allow_image_urls,
     )
     try:
         serve(models, config=config, workers=args.workers, transport=args.transport,
@@ -293,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     gen.add_argument("--model", "-m", required=True, help="model directory, HF id or synthetic:PRESET")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--image", action="append", default=None, metavar="PATH",
+                     help="an image file for a vision model (repeat for several; implies --chat)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", "--temp", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -328,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--responses-store", type=int, default=DEFAULT_RESPONSES_STORE, metavar="N",
                      help="keep the last N Responses-API responses in memory for previous_response_id "
                           f"and GET /v1/responses/ID (default: {DEFAULT_RESPONSES_STORE}; 0 keeps none)")
+    srv.add_argument("--allow-image-urls", action="store_true",
+                     help="fetch the http(s) image URLs requests carry (off: such an image is a 400; on, a "
+                          "client can make this server fetch any URL it can reach: docs/vision.md)")
     srv.add_argument("--transport", choices=["auto", "ring", "stdio"], default="auto")
     _add_engine_flags(srv)
     _add_sampling_defaults(srv)
@@ -351,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser("make-model", help="write a synthetic mlx-lm model directory")
     mk.add_argument("preset", help="tiny, small, tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3.5, "
-                    "tiny-gemma3, tiny-gpt-oss, or a 4-bit real shape such as qwen3-8b-4bit "
+                    "tiny-gemma3, tiny-gpt-oss, the vision models tiny-qwen2.5-vl and tiny-gemma3-vl, "
+                    "or a 4-bit real shape such as qwen3-8b-4bit "
                     "(all presets: docs/models.md)")
     mk.add_argument("--out", required=True, help="directory to write")
     mk.add_argument("--seed", type=int, default=0)

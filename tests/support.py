@@ -289,7 +289,8 @@ THINKERS = ["qwen3", "gpt-oss"]
 
 
 #: The tiny preset of every generating family: every cache kind mlx-lm has (KV, rotating, arrays).
-FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding)
+FAMILIES = ["tiny"] + sorted(p for p in PRESETS if p.startswith("tiny-") and not PRESETS[p].embedding
+                          and PRESETS[p].vision is None)  # vision presets: tests/test_vision.py
 
 SYSTEM = "You answer questions about the weather, the sea and the mountains, at length. " * 5
 

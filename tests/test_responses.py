@@ -267,7 +267,7 @@ BAD = [
     ({"input": "Hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "42"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
-     "input[0].content[0]"),
+     "input[0].content[0].image_url"),  # remote images are not fetched (docs/vision.md)
     ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": "Hi", "tools": [{**TOOLS[0], "parameters": {"type": "object", "required": "city"}}]},

@@ -18,13 +18,14 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
 #: 8: Generate.resume, Stats.resumes, DiskCacheReport.skipped.
 #: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;
 #: 6: InvalidField's field in Failed (kind, field); EngineOptions.prompt_cache_dir and
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -59,6 +60,9 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=Tru
     #: A tool result: the call it answers and the function's name.
     tool_call_id: str | None = None
     name: str | None = None
+    #: The message's images as their files' bytes (PNG, JPEG, GIF, WebP), checked in the orchestrator
+    #: by their headers and decoded only in the worker (`worker/vision.py`); rendered before its text.
+    images: list[bytes] = []
 
 
 #: Ollama's `think` levels, the chat templates' `reasoning_effort` (gpt-oss).
@@ -603,6 +607,8 @@ class Capabilities(msgspec.Struct, kw_only=True, omit_defaults=True):
     embedding: str = ""
     #: The length of an embedding model's vectors (its hidden size); 0 for a generative model.
     embedding_dim: int = 0
+    #: A vision-language model (mlx-vlm, `worker/vision.py`): it takes images in chat messages.
+    vision: bool = False
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):

@@ -26,6 +26,7 @@ from ..ipc.protocol import (
     InvalidField,
     ToolCall,
 )
+from .images import check_count, check_image, image_bytes
 from .structured import grammar_problem
 
 #: Keyword arguments of `Runtime.generate`/`stream` that shape a chat, beside the sampling ones.
@@ -124,6 +125,8 @@ def chat_messages(messages: Sequence[Any]) -> list[ChatMessage]:
     names: dict[str, str] = {}
     for i, m in enumerate(messages):
         if isinstance(m, ChatMessage):
+            for j, data in enumerate(m.images):
+                check_image(data, f"messages[{i}].images[{j}]")
             out.append(m)
             continue
         if not isinstance(m, Mapping):
@@ -135,6 +138,7 @@ def chat_messages(messages: Sequence[Any]) -> list[ChatMessage]:
         if msg.role == "tool" and msg.name is None and msg.tool_call_id in names:
             msg.name = names[msg.tool_call_id]
         out.append(msg)
+    check_count([image for m in out for image in m.images])
     return out
 
 
@@ -144,15 +148,44 @@ def _message(i: int, m: Mapping) -> ChatMessage:
         raise InvalidField(f"messages[{i}].role", f"={role!r}: required, a string")
     if content is None:
         content = ""
+    images = [image_bytes(v, f"messages[{i}].images[{j}]") for j, v in enumerate(m.get("images") or [])]
+    if isinstance(content, list):
+        content, parts = _parts(i, content)
+        images = parts + images
     if not isinstance(content, str):
-        raise InvalidField(f"messages[{i}].content", ": expected a string")
+        raise InvalidField(f"messages[{i}].content", ": expected a string or a list of text and image parts")
     calls = [_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m.get("tool_calls") or [])]
     reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking") if m.get(k)), None)
     name = m.get("name") or m.get("tool_name")
     return ChatMessage(role=role, content=content, tool_calls=calls,
                        reasoning=_text(f"messages[{i}].reasoning", reasoning),
                        tool_call_id=_text(f"messages[{i}].tool_call_id", m.get("tool_call_id")),
-                       name=_text(f"messages[{i}].name", name))
+                       name=_text(f"messages[{i}].name", name), images=images)
+
+
+#: Content part types that carry an image, and the key of the image in each (as the APIs name them).
+IMAGE_PARTS = {"image": "image", "image_url": "image_url", "input_image": "image_url"}
+
+
+def _parts(i: int, content: list) -> tuple[str, list[bytes]]:
+    """A content list's text (its text parts, a line each) and images (bytes, a data URI or base64 in
+    an ``image``, ``image_url`` (OpenAI: ``{"url": ...}``) or ``input_image`` part), in order."""
+    texts: list[str] = []
+    images: list[bytes] = []
+    for j, part in enumerate(content):
+        field = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in IMAGE_PARTS:
+            key = IMAGE_PARTS[kind]
+            value = part.get(key)
+            if isinstance(value, Mapping):  # OpenAI's {"url": ..., "detail": ...}
+                value, key = value.get("url"), f"{key}.url"
+            images.append(image_bytes(value, f"{field}.{key}"))
+        else:
+            raise InvalidField(field, f": expected a text or image part, not {kind!r}")
+    return "\n".join(texts), images
 
 
 def _text(field: str, value: Any) -> str | None:

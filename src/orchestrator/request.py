@@ -123,6 +123,10 @@ def check_model(req: Request, ready: Ready | None, name: str) -> None:
     if ready.capabilities is not None and ready.capabilities.embedding:
         raise InvalidField("model", f": {name!r} is an embedding model: it cannot generate (ask it for "
                                     "embeddings)")
+    with_images = next((i for i, m in enumerate(req.messages or ()) if m.images), None)
+    if with_images is not None and not (ready.capabilities is not None and ready.capabilities.vision):
+        raise InvalidField(f"messages[{with_images}]", f": model {name!r} is not a vision model: it takes no "
+                                                       "images", code="unsupported", capability="vision")
     ctx = req.params.num_ctx
     if ctx is not None and ctx > ready.context_length:
         raise InvalidField("num_ctx", f"={ctx}: model {name!r} has a {ready.context_length}-token context")

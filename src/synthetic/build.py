@@ -151,8 +151,9 @@ def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force
 def _marker(name: str, spec: Preset, seed: int) -> dict[str, Any]:
     """What the marker file records; any difference means the directory is stale."""
     params = dataclasses.asdict(spec)
-    if params["embedding"] is None:
-        del params["embedding"]  # added later: generative models' markers stay as they were
+    for added in ("embedding", "vision", "image_processor"):
+        if params[added] is None:
+            del params[added]  # added later: other models' markers stay as they were
     return {
         "generator": "mlxrt.worker.synthetic",  # the module's first name: kept, so caches stay valid
         "format": FORMAT_VERSION,
@@ -211,9 +212,20 @@ def _write_model(out: Path, spec: Preset, seed: int) -> int:
     tok = _tokenizer_json(spec.bpe_vocab, spec.vocab_size, fam.specials, fam.text_tags, fam.bos, eos)
     (out / "tokenizer.json").write_text(tok, encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(spec))
-    model, config = _build(spec, seed)
+    if spec.vision is not None:  # a vision-language model: mlx-vlm's classes, and its image processor
+        from .vision import build_vision
+
+        model, config = build_vision(spec, seed)
+        _write_json(out / "preprocessor_config.json", spec.image_processor)
+        tokens = _text_shape(spec).get("mm_tokens_per_image")
+        if tokens is not None:  # Gemma 3: the processor's soft tokens an image (else 256)
+            kind = spec.image_processor["processor_class"]
+            _write_json(out / "processor_config.json", {"image_seq_length": tokens, "processor_class": kind})
+    else:
+        model, config = _build(spec, seed)
     nbytes = _write_weights(out, model, strip="model." if spec.embedding else "")
-    save_config(config, out / "config.json")  # mirrors "quantization" into "quantization_config"
+    # mirrors "quantization" into "quantization_config"
+    save_config(config, out / "config.json", keep_vision_config=spec.vision is not None)
     if spec.embedding:
         _write_sentence_transformers(out, spec)
     return nbytes
@@ -331,6 +343,7 @@ def _tokenizer_config(spec: Preset) -> dict[str, Any]:
         "split_special_tokens": False,
         "tokenizer_class": fam.tokenizer_class,
         "unk_token": "<unk>" if "<unk>" in fam.specials else None,
+        **({"extra_special_tokens": fam.extra_special_tokens} if fam.extra_special_tokens else {}),
     }
 
 

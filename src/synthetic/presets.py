@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .templates import GEMMA3_TEMPLATE, HARMONY_TEMPLATE, LLAMA3_TEMPLATE, chatml_template
+from .templates import GEMMA3_TEMPLATE, GEMMA3_VL_TEMPLATE, HARMONY_TEMPLATE, LLAMA3_TEMPLATE, chatml_template
 
 FORMAT_VERSION = 2  # bump when the bytes a (preset, seed) produces change
 EMBED_STD = 0.02  # embeddings, untied lm_head, biases and other 1-D parameters
@@ -22,6 +22,12 @@ _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", 
 _QWEN3_SPECIALS = (*_QWEN_SPECIALS, "<tool_response>", "</tool_response>", "<think>", "</think>")
 # Qwen marks its tool and think tags special=False: they stay in decoded text for the parsers.
 _QWEN_TEXT_TAGS = _QWEN3_SPECIALS[3:]
+_QWEN_VL_SPECIALS = (*_QWEN_SPECIALS, "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                     "<|video_pad|>")
+#: Qwen2.5-VL's config keys for its vision tokens' ids.
+_QWEN_VL_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                   "vision_token_id": "<|vision_pad|>", "image_token_id": "<|image_pad|>",
+                   "video_token_id": "<|video_pad|>"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +46,11 @@ class Family:
     text_config: str | None = None  # nest the shape under "text_config" with this model_type
     tokenizer_class: str = "PreTrainedTokenizerFast"
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # config keys of every preset
+    #: A vision-language family (built from mlx-vlm's model classes): config key -> special token
+    #: of its image markers; empty for a text model.
+    vision_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: tokenizer_config.json "extra_special_tokens" (Gemma 3's processor reads its image tokens there).
+    extra_special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {
@@ -82,6 +93,30 @@ FAMILIES: dict[str, Family] = {
         defaults={"attention_bias": False, "attn_output_gate": True, "hidden_act": "silu",
                   "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6},
     ),
+    # Qwen2.5-VL as mlx-vlm loads it: the language model's keys at the top, "vision_config" beside them.
+    "qwen2_5_vl": Family(
+        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _QWEN_VL_SPECIALS,
+        ("<|im_end|>", "<|endoftext|>"),
+        chatml_template(default_system="You are a helpful assistant.", thinking=None, vision=True),
+        pad="<|endoftext|>", text_tags=_QWEN_TEXT_TAGS, tokenizer_class="Qwen2Tokenizer",
+        defaults={"attention_dropout": 0.0, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                  "rope_theta": 1_000_000.0, "use_sliding_window": False},
+        vision_tokens=_QWEN_VL_TOKENS,
+    ),
+    # Gemma 3 as mlx-vlm loads it: "text_config" (gemma3_text) and a SigLIP "vision_config".
+    "gemma3": Family(
+        "gemma3", "Gemma3ForConditionalGeneration",
+        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+         "<end_of_image>", "<image_soft_token>"),
+        ("<eos>", "<end_of_turn>"), GEMMA3_VL_TEMPLATE, bos="<bos>", pad="<pad>", norm_weight=0.0,
+        text_config="gemma3_text",
+        defaults={"hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+                  "rope_local_base_freq": 10_000.0, "rope_theta": 1_000_000.0},
+        vision_tokens={"boi_token_index": "<start_of_image>", "eoi_token_index": "<end_of_image>",
+                       "image_token_index": "<image_soft_token>"},
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"},
+    ),
     "gemma3_text": Family(
         "gemma3_text", "Gemma3ForCausalLM",
         ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
@@ -119,6 +154,10 @@ class Preset:
     #: (``"lasttoken"``), an EOS appended by the tokenizer, a bare backbone's weights (no ``model.``
     #: prefix, no head). None: a generative model.
     embedding: str | None = None
+    #: A vision-language model's vision tower ("vision_config", as mlx-vlm names its keys) and its image
+    #: processor's preprocessor_config.json; None: a text model.
+    vision: dict[str, Any] | None = None
+    image_processor: dict[str, Any] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -167,11 +206,53 @@ class Preset:
             "tie_word_embeddings": bool(shape.get("tie_word_embeddings", False)),
             "torch_dtype": self.dtype,
         }
+        if self.vision is not None:
+            cfg["vision_config"] = dict(sorted(self.vision.items()))
+            cfg.update({key: ids[tok] for key, tok in fam.vision_tokens.items()})
         if fam.text_config is None:
             cfg.update(shape)
         else:  # a multimodal checkpoint's language model (vision weights absent)
             cfg["text_config"] = dict(sorted({**shape, "model_type": fam.text_config}.items()))
         return dict(sorted(cfg.items()))
+
+
+#: A test-sized Qwen2.5-VL vision tower; out_hidden_size is the language model's width (`_tiny`'s 64).
+QWEN2_5_VL_TINY_VISION = {
+    "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+    "num_heads": 2, "in_channels": 3, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2,
+}
+
+
+def qwen_vl_image_processor(*, max_tokens: int, min_tokens: int = 4) -> dict[str, Any]:
+    """Qwen2-VL's preprocessor_config.json: 14-pixel patches merged 2x2, so one image token is 28x28
+    pixels; an image is resized to between `min_tokens` and `max_tokens` of them (Qwen's own defaults:
+    4 to 16384), with CLIP's mean and std."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": 28 * 28 * min_tokens, "max_pixels": 28 * 28 * max_tokens,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    }
+
+
+#: A test-sized SigLIP tower for Gemma 3: 56-pixel images, 16 patches, pooled to the text config's
+#: mm_tokens_per_image.
+GEMMA3_TINY_VISION = {
+    "model_type": "siglip_vision_model", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+    "num_attention_heads": 2, "patch_size": 14, "image_size": 56, "num_channels": 3,
+}
+
+
+def gemma3_image_processor(*, side: int) -> dict[str, Any]:
+    """Gemma 3's preprocessor_config.json: every image resized to `side` x `side`, SigLIP's mean and std."""
+    return {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": side, "width": side}, "resample": 2, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True, "do_pan_and_scan": False,
+    }
 
 
 def _tiny(family: str, description: str, **shape: Any) -> Preset:
@@ -224,6 +305,21 @@ PRESETS: dict[str, Preset] = {
     "tiny-gemma3": _tiny("gemma3_text", "tests: Gemma 3 sliding-window layers, RotatingKVCache + KVCache",
                          num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=32,
                          sliding_window_pattern=2),
+    # Qwen2.5-VL's layout at test size: a 2-block vision tower (14-pixel patches, 2x2 merged into one
+    # token), at most 64 image tokens an image (the processor's max_pixels), mRoPE over the image grid.
+    "tiny-qwen2.5-vl": dataclasses.replace(
+        _tiny("qwen2_5_vl", "tests: Qwen2.5-VL vision tower + mRoPE language model, images in every API",
+              num_hidden_layers=2, max_position_embeddings=2048,
+              rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision=QWEN2_5_VL_TINY_VISION, image_processor=qwen_vl_image_processor(max_tokens=64)),
+    # Gemma 3's layout at test size: a 2-layer SigLIP tower (56-pixel images, 14-pixel patches) pooled to
+    # 4 soft tokens an image, sliding and global layers; a 64-token window, so a test's image chat fits it
+    # (the image cache keeps prompts that have not rotated their windows).
+    "tiny-gemma3-vl": dataclasses.replace(
+        _tiny("gemma3", "tests: Gemma 3 SigLIP tower + sliding-window language model, images in every API",
+              num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
+              sliding_window_pattern=2, mm_tokens_per_image=4),
+        vision=GEMMA3_TINY_VISION, image_processor=gemma3_image_processor(side=56)),
     "tiny-gpt-oss": _tiny("gpt_oss", "tests: gpt-oss MoE with sinks and sliding windows",
                           num_hidden_layers=4, intermediate_size=64, head_dim=16, num_local_experts=8,
                           num_experts_per_tok=2, sliding_window=32, tie_word_embeddings=False,

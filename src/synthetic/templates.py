@@ -18,8 +18,20 @@ _QWEN_TOOLS = (
 )
 
 
-def chatml_template(*, default_system: str | None, thinking: str | None) -> str:
-    """Qwen ChatML with <tool_call> JSON; `thinking` None, "qwen3" (model opens <think>) or "qwen3.5"."""
+#: Qwen2.5-VL's rendering of a content list: an image part as its vision markers (the processor
+#: widens <|image_pad|> to the image's tokens), a text part as its text, in order.
+_QWEN_VL_PARTS = (
+    "{%- set parts = namespace(text='') %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' or part.type == 'image_url' or 'image' in part %}"
+    "{%- set parts.text = parts.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif part.type == 'text' %}{%- set parts.text = parts.text + part.text %}{%- endif %}"
+    "{%- endfor %}{%- set content = parts.text %}"
+)
+
+
+def chatml_template(*, default_system: str | None, thinking: str | None, vision: bool = False) -> str:
+    """Qwen ChatML with <tool_call> JSON; `thinking` None, "qwen3" (model opens <think>) or "qwen3.5";
+    `vision`: a message's content may be a list of text and image parts (Qwen2.5-VL)."""
     if default_system is None:
         system_tools = "{{- '<|im_start|>system\\n' }}{%- if messages[0].role == 'system' %}" \
             "{{- messages[0].content + '\\n\\n' }}{%- endif %}"
@@ -62,6 +74,8 @@ def chatml_template(*, default_system: str | None, thinking: str | None) -> str:
         "{%- set ns.multi_step_tool = false %}{%- set ns.last_query = index %}{%- endif %}{%- endfor %}"
         "{%- for message in messages %}"
         "{%- set content = message.content if message.content is string else '' %}"
+        + ("{%- if message.content is not string and message.content %}" + _QWEN_VL_PARTS + "{%- endif %}"
+           if vision else "") +
         "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
         "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
         "{%- elif message.role == 'assistant' %}" + assistant +
@@ -138,6 +152,15 @@ GEMMA3_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
 )
+
+# Gemma 3 with its vision tower: an image part is <start_of_image> (the processor widens it to the image's
+# soft tokens), a text part its text.
+GEMMA3_VL_TEMPLATE = GEMMA3_TEMPLATE.replace(
+    "{%- else %}{{- (message.content or '') | trim }}{%- endif %}",
+    "{%- elif message.content is not string and message.content %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' or part.type == 'image_url' %}{{- '<start_of_image>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text | trim }}{%- endif %}{%- endfor %}"
+    "{%- else %}{{- (message.content or '') | trim }}{%- endif %}")
 
 # gpt-oss harmony: system/developer/user turns, assistant analysis/commentary/final channels,
 # tool calls to=functions.NAME ending in <|call|>, tools as a TypeScript-like namespace.

@@ -111,6 +111,21 @@ def _hide_torch() -> None:
         sys.modules["torch"] = None  # type: ignore[assignment]
 
 
+def _vision_model(path: str, log) -> bool:
+    """Whether `path` is a vision-language model this worker can serve with mlx-vlm; without the
+    ``vision`` extra it is served as text by mlx-lm, said once in the log."""
+    from .vision import is_vision_model
+
+    if not is_vision_model(path):
+        return False
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError:
+        log.warning("worker.vision_unavailable", path=path, hint="pip install 'mlxrt[vision]' for images")
+        return False
+    return True
+
+
 def _ready(hello: Hello, engine) -> Ready:
     import mlx.core as mx
     import mlx_lm
@@ -167,7 +182,13 @@ def main() -> None:
         import_s = time.perf_counter() - started
         path = local_model_path(hello.model)
         spec = embedding_spec(path)  # an embedding model's worker embeds and never generates
-        if spec is None:
+        vision = spec is None and group is None and _vision_model(path, log)
+        if vision:  # images in chat messages, on mlx-vlm (docs/vision.md)
+            from .vision import VisionEngine
+
+            engine = VisionEngine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine,
+                                  prompt_cache_share=hello.prompt_cache_share)
+        elif spec is None:
             engine = Engine(path, cache_limit_bytes=hello.cache_limit_bytes, options=hello.engine,
                             group=group, prompt_cache_share=hello.prompt_cache_share)
         elif group is not None:

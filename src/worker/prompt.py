@@ -187,6 +187,9 @@ class PromptBuilder:
             if bad:
                 raise ValueError(f"prompt_ids contains ids outside [0, {self.vocab_size}): {bad[:5]}")
         elif req.messages is not None:
+            if not self.capabilities.vision and any(m.images for m in req.messages):
+                raise InvalidField("images", f": model {self.path} is not a vision model: it takes no images",
+                                   code="unsupported", capability="vision")
             ids = list(self._apply_template(req.messages, req.chat, add_generation_prompt=True))
         elif req.prompt is not None:
             tok = self.tokenizer

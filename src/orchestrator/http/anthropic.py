@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..errors import MlxrtError
+from ..images import image_bytes
 from ..request import Request as RtRequest
 from ..structured import check_tool_schema, json_schema_grammar
 from .anthropic_schemas import (
@@ -189,10 +190,12 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": "user", "content": m.content}]
     out: list[dict[str, Any]] = []
-    texts = []
+    texts: list[dict[str, Any]] = []  # text and image parts, in order
     for j, b in enumerate(m.content):
         if isinstance(b, TextBlock):
-            texts.append(b.text)
+            texts.append({"type": "text", "text": b.text})
+        elif isinstance(b, ImageBlock):
+            texts.append({"type": "image", "image": _image(i, j, b)})
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in calls:
                 param = f"messages[{i}].content[{j}].tool_use_id"
@@ -201,23 +204,41 @@ def _user(i: int, m: AnthropicMessage, calls: set[str]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(i, j, b)})
         elif not isinstance(b, SERVER_BLOCKS):  # a server tool's result: this server ran none
             raise _block_refused(i, j, b, "a user turn")
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if any(p["type"] == "image" for p in texts):
+        out.append({"role": "user", "content": texts})
+    elif texts or not out:
+        out.append({"role": "user", "content": "\n".join(p["text"] for p in texts)})
     return out
 
 
-def _result_text(i: int, j: int, b: ToolResultBlock) -> str:
+def _image(i: int, j: int, b: ImageBlock, tail: str = "") -> bytes:
+    """An image block's bytes: a ``base64`` source's data, checked here; other sources are refused."""
+    field = f"messages[{i}].content[{j}]{tail}.source"
+    src = b.source
+    if src.type == "url" and src.url is not None:
+        return image_bytes(src.url, f"{field}.url")  # refused by name: remote images are not fetched
+    if src.type != "base64" or src.data is None:
+        raise _unsupported(f"{field}.type", f"an image source of type {src.type!r} (send base64 data)")
+    return image_bytes(src.data, f"{field}.data")
+
+
+def _result_text(i: int, j: int, b: ToolResultBlock) -> str | list[dict[str, Any]]:
+    """A tool result's text; with images (a screenshot tool's), its text and image parts in order."""
     if isinstance(b.content, str):
         return b.content
-    texts = []
+    parts: list[dict[str, Any]] = []
     for k, part in enumerate(b.content):
         if isinstance(part, TextBlock):
-            texts.append(part.text)
+            parts.append({"type": "text", "text": part.text})
         elif isinstance(part, ToolReferenceBlock):
-            texts.append(part.tool_name)
+            parts.append({"type": "text", "text": part.tool_name})
+        elif isinstance(part, ImageBlock):
+            parts.append({"type": "image", "image": _image(i, j, part, f".content[{k}]")})
         else:
             raise _block_refused(i, j, part, "a tool result", f".content[{k}]")
-    return "\n".join(texts)
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _block_refused(i: int, j: int, b: object, where: str, tail: str = "") -> HttpError:

@@ -48,8 +48,22 @@ class ToolUseBlock(Strict, tag="tool_use", tag_field="type", kw_only=True, omit_
     caller: Any = None
 
 
-class ImageBlock(Struct, tag="image", tag_field="type"):
-    """Decoded so that it is refused by name ("not supported"), not as an unknown type."""
+class ImageSource(Strict, kw_only=True):
+    """An image block's source: ``base64`` (`media_type`, `data`) is served; ``url`` and ``file`` are
+    refused by name (this server fetches nothing)."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+    file_id: str | None = None
+
+
+class ImageBlock(Strict, tag="image", tag_field="type", kw_only=True):
+    """An image for a vision model (in a user turn)."""
+
+    source: ImageSource
+    cache_control: Any = None
 
 
 class DocumentBlock(Struct, tag="document", tag_field="type"):

@@ -24,3 +24,5 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  #: larger request bodies are refused with 413
     #: Responses kept in memory for GET /v1/responses/{id} and `previous_response_id` (the oldest go first)
     responses_store: int = DEFAULT_RESPONSES_STORE
+    #: Fetch http(s) image URLs that requests carry (docs/vision.md); off: such an image is a 400.
+    allow_image_urls: bool = False

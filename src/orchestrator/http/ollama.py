@@ -40,6 +40,7 @@ from ...ipc.protocol import (
 )
 from ..chat import missing_capability
 from ..errors import MlxrtError
+from ..images import image_bytes
 from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_invalid_field, from_runtime_error, ollama_body
@@ -259,9 +260,11 @@ def constrain(params: dict[str, Any], fmt: str | dict[str, Any] | None) -> dict[
 
 
 def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
-    """Raw text with ``raw: true``, else the prompt as a user message under the model's chat template."""
-    if req.images:
-        raise _unsupported("images", "images")
+    """Raw text with ``raw: true``, else the prompt as a user message under the model's chat template,
+    with its `images` (base64), each checked as `images[i]`."""
+    if req.images and req.raw:
+        raise HttpError(400, "images: a raw prompt has no chat template to place images in (leave raw off)",
+                        param="images")
     if req.suffix:
         raise _unsupported("suffix", "a suffix (fill-in-the-middle)")
     if req.template:
@@ -271,7 +274,10 @@ def generate_prompt(req: OllamaGenerateRequest) -> str | list[dict[str, str]]:
     if req.raw:
         return req.prompt
     messages = [{"role": "system", "content": req.system}] if req.system else []
-    messages.append({"role": "user", "content": req.prompt})
+    user: dict[str, Any] = {"role": "user", "content": req.prompt}
+    if req.images:
+        user["images"] = [image_bytes(v, f"images[{j}]") for j, v in enumerate(req.images)]
+    messages.append(user)
     return messages
 
 
@@ -280,9 +286,9 @@ def chat_prompt(req: OllamaChatRequest) -> list[dict[str, Any]]:
     turn's `thinking` included."""
     out = []
     for i, m in enumerate(req.messages):
-        if m.images:
-            raise _unsupported(f"messages[{i}].images", "images")
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.images:  # base64, as Ollama sends them
+            msg["images"] = [image_bytes(v, f"messages[{i}].images[{j}]") for j, v in enumerate(m.images)]
         if m.tool_calls:
             msg["tool_calls"] = m.tool_calls
         if m.tool_name:
@@ -377,7 +383,7 @@ class OllamaApi:
         model = self.svc.model(req.model, ollama=True)
         keep_alive = parse_keep_alive(req.keep_alive)
         think = req.think is not False  # false: a model that cannot stop thinking keeps it to itself
-        if not chat_prompt(req):
+        if not req.messages:  # a load or an unload: no prompt
             think_param(req)
             refuse_lacking(self.svc, model, req.model, think=req.think, tools=bool(req.tools))
             message = OllamaMessageOut(content="")

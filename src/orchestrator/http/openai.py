@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from ...ipc.protocol import TokenLogprob
 from ..errors import MlxrtError
+from ..images import image_bytes
 from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .errors import HttpError, from_runtime_error, openai_body
@@ -42,6 +43,7 @@ from .schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    ContentPart,
     Delta,
     FunctionOut,
     LogprobOut,
@@ -147,10 +149,7 @@ def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if content is None and not m.tool_calls:  # an assistant turn of only calls has none
             raise HttpError(400, f"messages[{i}].content: required", param=f"messages[{i}].content")
         if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise _unsupported(f"messages[{i}].content[{j}]", f"a content part of type {part.type!r}")
-            content = "\n".join(p.text for p in content)  # type: ignore[misc]
+            content = [_part(i, j, part) for j, part in enumerate(content)]
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": content or ""}
         if m.tool_calls:
@@ -163,6 +162,18 @@ def chat_prompt(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["reasoning_content"] = m.reasoning_content or m.reasoning
         out.append(msg)
     return out
+
+
+def _part(i: int, j: int, part: ContentPart) -> dict[str, Any]:
+    """A content part as the runtime takes it: text, or an ``image_url``'s image as its bytes (a data URI,
+    checked here; an http(s) URL is refused)."""
+    field = f"messages[{i}].content[{j}]"
+    if part.type == "text" and part.text is not None:
+        return {"type": "text", "text": part.text}
+    if part.type == "image_url" and part.image_url is not None:
+        url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+        return {"type": "image", "image": image_bytes(url, f"{field}.image_url.url")}
+    raise _unsupported(field, f"a content part of type {part.type!r}")
 
 
 def chat_params(req: ChatCompletionRequest) -> dict[str, Any]:

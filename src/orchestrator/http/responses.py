@@ -39,12 +39,14 @@ from starlette.requests import Request
 from starlette.responses import Response as HttpResponse
 from starlette.routing import Route
 
+from ...ipc.protocol import InvalidField
 from ..errors import MlxrtError
+from ..images import image_bytes
 from ..request import Request as RtRequest
 from ..structured import ANY_JSON_OBJECT, json_schema_grammar
 from .blocks import Block, BlockEvents, collect, reasoning_tokens
 from .body import convert
-from .errors import HttpError, from_runtime_error
+from .errors import HttpError, from_invalid_field, from_runtime_error
 from .responses_schemas import (
     ITEM_TYPES,
     ContentPartAdded,
@@ -65,6 +67,7 @@ from .responses_schemas import (
     FunctionCallOutputItem,
     HostedCallItem,
     IncompleteDetails,
+    InputImage,
     InputText,
     InputTokensDetails,
     MessageOut,
@@ -207,8 +210,30 @@ def input_messages(items: str | list[dict[str, Any]], history: list[dict[str, An
         else:
             turn = None
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(i, item.content, "content")})
+            out.append({"role": role, "content": _user_content(i, item.content)})
     return out
+
+
+def _user_content(i: int, content: str | list[Any]) -> str | list[dict[str, Any]]:
+    """A user or system message's content: its text, or with ``input_image`` parts, text and image
+    parts in order (each image's bytes checked here, named ``input[i].content[j].image_url``)."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _text(i, content, "content")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        field = f"input[{i}].content[{j}]"
+        if isinstance(part, InputImage):
+            if part.image_url is None:
+                raise _unsupported(f"{field}.file_id", "an uploaded file (send image_url as a data URI)")
+            try:  # read outside `Service.build`: its 400 is made here
+                parts.append({"type": "image", "image": image_bytes(part.image_url, f"{field}.image_url")})
+            except InvalidField as exc:
+                raise from_invalid_field(exc, {}) from None
+        elif isinstance(part, (InputText, OutputText, Refusal)):
+            parts.append({"type": "text", "text": part.refusal if isinstance(part, Refusal) else part.text})
+        else:
+            raise _unsupported(field, f"a content part of type {type(part).__struct_config__.tag!r}")
+    return parts
 
 
 def _item(i: int, raw: Any, ignored: list[str]) -> Any:

@@ -35,8 +35,13 @@ class Refusal(Strict, tag="refusal", tag_field="type"):
     refusal: str
 
 
-class InputImage(Struct, tag="input_image", tag_field="type"):
-    """Decoded so that it is refused by name ("not supported"), not as an unknown type."""
+class InputImage(Strict, tag="input_image", tag_field="type", kw_only=True):
+    """An image for a vision model: `image_url` a data URI (remote URLs and uploaded files' `file_id`
+    are refused by name); `detail` is taken, unused."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
 
 
 class InputFile(Struct, tag="input_file", tag_field="type"):

@@ -36,11 +36,20 @@ class StreamOptions(Strict, kw_only=True):
     include_usage: bool = False
 
 
+class ImageURL(Strict, kw_only=True):
+    """An ``image_url`` part's image: a data URI (remote URLs are refused); `detail` is taken, unused."""
+
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(Strict, kw_only=True):
-    """One part of a message's content; only ``{"type": "text"}`` parts are served."""
+    """One part of a message's content: ``{"type": "text"}``, or ``{"type": "image_url"}`` for a vision
+    model."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(Strict, kw_only=True, omit_defaults=True):

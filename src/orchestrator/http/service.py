@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from ...ipc.protocol import Capabilities, InvalidField, TokenLogprob, ToolCall
 from ..errors import MlxrtError
+from ..images import PREFETCHED, prefetch, remote_urls
 from ..request import Request as RtRequest
 from ..runtime import AsyncRuntime, AsyncStream, Chunk
 from .body import decode, read_body
@@ -315,6 +316,8 @@ class Service:
         value = decode(await read_body(request, self.config.max_body_bytes), decoder, prefix, found)
         if ignored is None:
             log_ignored(request, found)
+        if self.config.allow_image_urls and (urls := remote_urls(value)):
+            PREFETCHED.set(await prefetch(urls))  # this request's task reads them when its schema converts
         return value
 
     def build(self, names: Mapping[str, str], to_request: Callable[..., RtRequest], *args: Any) -> RtRequest:
