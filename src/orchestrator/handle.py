@@ -100,7 +100,7 @@ class Entry:
         waiting for one at most `queue_s` from now."""
         self.resumes += 1
         n = self.req.params.n
-        resume = Resume(tokens=[self.got.get(i, []) for i in range(n)], ended=sorted(self.ended),
+        resume = Resume(tokens=[list(self.got.get(i, ())) for i in range(n)], ended=sorted(self.ended),
                         count=self.resumes)
         self.req = msgspec.structs.replace(self.req, resume=resume)
         self.started = False
