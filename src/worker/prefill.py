@@ -15,6 +15,10 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
   chunks of a long one; a prompt passed over `MAX_SKIPS` chunks in a row goes next, so neither a
   flood of short prompts starves a long one nor a stream of long ones a short one, and long prompts
   take turns.
+- **Short prompts together** (`batch_rows`, `run_rows`): where the prompt chosen next fits the chunk
+  whole, the shortest others that fit beside it (padding counted, at most `prompt_concurrency`) join
+  it in one call, right-padded as mlx-lm's `BatchGenerator` prefills a burst, each on its own cache
+  again after.
 
 A chunk never crosses a segment boundary (`_segments`), so the engine keeps its checkpoints
 (system prompt, end of prompt) and releases forked choices exactly where the batch would.
