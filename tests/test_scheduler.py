@@ -315,3 +315,106 @@ def test_the_budget_left_on_auto_schedules_off_cuda(tiny_model):
     assert e.scheduled is (not on_cuda())
     if e.scheduled:
         assert e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS
+
+
+def test_a_burst_of_short_prompts_is_prefilled_in_batched_calls(slowed, alone):
+    """Six short prompts arriving together are prefilled three to a call (as many as fit the 32-token
+    chunk, padding counted), not one per call; each keeps its tokens alone, and the report counts them."""
+    engine, rec = slowed
+    shorts = [gen(200 + k, short_prompt(10 + k), max_tokens=6) for k in range(6)]
+    want = {s.id: alone(s) for s in shorts}
+    calls, batched = engine.prefill_calls, engine.prefill_batched
+    run(engine, rec, {0: shorts})
+    assert engine.prefill_calls - calls == 2 and engine.prefill_batched - batched == 6
+    report = engine.report()
+    assert (report.prefill_calls, report.prefill_batched) == (engine.prefill_calls, engine.prefill_batched)
+    assert rec.ids == want
+    assert all(rec.stats[s.id].prefill_ms > 0 for s in shorts)
+
+
+def test_a_burst_keeps_short_first_and_a_long_prompt_in_chunks(slowed, alone):
+    """A long prompt arriving in a burst of short ones: the short ones are prefilled first, together,
+    and every one gets its first token before the long one; the long one still goes one chunk a call."""
+    engine, rec = slowed
+    b = gen(2, LONG, max_tokens=4)
+    shorts = [gen(300 + k, short_prompt(20 + k), max_tokens=4) for k in range(4)]
+    want = {r.id: alone(r) for r in [b, *shorts]}
+    batched = engine.prefill_batched
+    run(engine, rec, {0: [b, *shorts]})
+    assert engine.prefill_batched - batched >= 3  # three fit one call beside each other
+    assert all(rec.first("token", s.id) < rec.first("token", 2) for s in shorts)
+    assert sum(1 for e in rec.events if e == ("chunk", 2)) == len(LONG) // STEP
+    assert rec.ids == want
+
+
+def test_a_batched_prefill_that_fails_fails_its_rows_alone(tiny_model, alone):
+    """A batched prefill call that raises fails the prompts it carried; A, decoding beside them, keeps
+    its tokens, and the engine then serves the next burst as alone."""
+    e = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP,
+                                                 prompt_cache_bytes=0))
+    a = gen(1, short_prompt(30), max_tokens=12)
+    burst = [gen(400 + k, short_prompt(31 + k), max_tokens=4) for k in range(3)]
+    rec, model = Events(), e.model
+    e.model = FailingBatch(model)
+    run(e, rec, {0: [a], 3: burst})
+    e.model = model
+    assert all(isinstance(rec.errors[r.id], BatchStepError) for r in burst)
+    assert rec.ids[1] == alone(a) and all(r.id not in rec.ids for r in burst)
+    after = [gen(500 + k, short_prompt(40 + k), 4) for k in range(3)]
+    batched = e.prefill_batched
+    run(e, rec, {0: after})
+    assert e.prefill_batched - batched == 3 and all(rec.ids[r.id] == alone(r) for r in after)
+
+
+class FailingBatch:
+    """The engine's model, a prefill call of several prompts raising."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __call__(self, x, cache=None, **kw):
+        if x.shape[0] > 1 and x.shape[-1] > 1:
+            raise RuntimeError("a batched prefill failed on purpose")
+        return self._model(x, cache=cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_the_decode_batch_on_auto_follows_the_memory(tiny_model):
+    """Left on auto, the decode batch is what the memory holds at each sequence's whole context, within
+    [prompt_concurrency, 32]: the cap for the tiny model; a given one is kept; a burst of that many is
+    admitted together."""
+    from mlxrt.ipc.protocol import MAX_AUTO_DECODE_CONCURRENCY
+    from mlxrt.worker.limits import batch_that_fits
+
+    assert batch_that_fits(1 << 20, 100 << 20, 8) == MAX_AUTO_DECODE_CONCURRENCY
+    assert batch_that_fits(1 << 20, 20 << 20, 8) == 20
+    assert batch_that_fits(1 << 30, 2 << 30, 8) == 8  # never fewer than mlx-lm prefills together
+    assert EngineOptions().decode_concurrency is None
+    auto = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
+    assert auto.decode_concurrency == MAX_AUTO_DECODE_CONCURRENCY
+    assert auto._batch.completion_batch_size == MAX_AUTO_DECODE_CONCURRENCY
+    burst = [gen(600 + k, short_prompt(k), max_tokens=2) for k in range(MAX_AUTO_DECODE_CONCURRENCY)]
+    for r in burst:
+        auto.submit(r, Events())
+    auto.step()
+    assert auto.report().queued == 0 and auto.report().batch_size == len(burst)
+    while auto.busy:
+        auto.step()
+    assert Engine(tiny_model, options=EngineOptions(decode_concurrency=3)).decode_concurrency == 3
+
+
+def test_decode_concurrency_is_checked_read_from_the_environment_and_reported(tiny_model, monkeypatch):
+    """decode_concurrency=0 is refused naming the field; MLXRT_DECODE_CONCURRENCY sets it, unset leaves
+    auto; a worker reports the batch it runs, auto resolved, in its ready message."""
+    with pytest.raises(ValueError, match="decode_concurrency"):
+        EngineOptions(decode_concurrency=0).validate()
+    monkeypatch.setenv("MLXRT_DECODE_CONCURRENCY", "5")
+    assert engine_from_env().decode_concurrency == 5
+    monkeypatch.delenv("MLXRT_DECODE_CONCURRENCY")
+    assert engine_from_env().decode_concurrency is None
+    with Runtime(model=tiny_model, engine=EngineOptions(decode_concurrency=5)) as rt:
+        assert rt.model_info().decode_concurrency == 5
+    with Runtime(model=tiny_model) as rt:
+        assert rt.model_info().decode_concurrency >= EngineOptions().prompt_concurrency

@@ -245,7 +245,12 @@ def _check(ok: bool, field: str, rule: str, value: object) -> None:
         raise InvalidField(field, f"={value!r}: {rule}")
 
 
+#: The decode batch a worker group takes when none is given: its ranks must agree on it, and each
+#: measures its own memory.
 DEFAULT_DECODE_CONCURRENCY = 16
+#: The most sequences auto (`EngineOptions.decode_concurrency` None) decodes together: mlx_lm.server's
+#: --decode-concurrency default; fewer where the memory left after the weights holds fewer whole contexts.
+MAX_AUTO_DECODE_CONCURRENCY = 32
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
 #: Prefill time between two decode steps: a decoding stream's longest gap is about this plus one
@@ -295,8 +300,11 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     chat template read from its file, the draft checked against the target) and sent in `Hello`.
     """
 
-    #: Most sequences decoded together (mlx_lm.server --decode-concurrency).
-    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY
+    #: Most sequences decoded together (mlx_lm.server --decode-concurrency). None (auto): as many as
+    #: the memory left after the weights and the prefix cache holds, each at its whole context (KV bytes
+    #: per token x context_length), within [prompt_concurrency, `MAX_AUTO_DECODE_CONCURRENCY`];
+    #: `DEFAULT_DECODE_CONCURRENCY` in a worker group (docs/engine.md, the decode batch).
+    decode_concurrency: int | None = None
     #: Most prompts prefilled together (mlx_lm.server --prompt-concurrency).
     prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
     #: Prompt tokens per prefill step (mlx_lm.server --prefill-step-size).
@@ -353,7 +361,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
-        _check(self.decode_concurrency >= 1, "decode_concurrency", "must be >= 1", self.decode_concurrency)
+        _check(self.decode_concurrency is None or self.decode_concurrency >= 1, "decode_concurrency",
+               "must be >= 1", self.decode_concurrency)
         _check(self.prompt_concurrency >= 1, "prompt_concurrency", "must be >= 1", self.prompt_concurrency)
         _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0, "prompt_cache_bytes",
@@ -626,6 +635,9 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
     #: The local directory the model was loaded from (the orchestrator reads an embedding
     #: model's tokenizer from it); "" from older workers.
     path: str = ""
+    #: The most sequences the worker decodes together (`EngineOptions.decode_concurrency`, auto
+    #: resolved); 0 from older workers and embedding workers.
+    decode_concurrency: int = 0
 
 
 class Started(msgspec.Struct, tag="started", array_like=True):
@@ -776,6 +788,10 @@ class EngineReport(msgspec.Struct, kw_only=True):
     cached_tokens_total: int = 0
     #: The prefix cache's disk tier; None without one.
     disk_cache: DiskCacheReport | None = None
+    #: The prefill scheduler's model calls, and the prompts prefilled in calls that carried several
+    #: (a burst's short prompts, prefilled together).
+    prefill_calls: int = 0
+    prefill_batched: int = 0
 
 
 class Pong(msgspec.Struct, tag="pong", array_like=True, kw_only=True):

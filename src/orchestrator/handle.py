@@ -29,6 +29,7 @@ import structlog
 
 from ..ipc.channel import MAX_FRAME_BYTES, ChannelClosed, ChannelCorrupt, Receiver
 from ..ipc.protocol import (
+    DEFAULT_DECODE_CONCURRENCY,
     PROTOCOL_VERSION,
     Attached,
     Cancel,
@@ -537,7 +538,8 @@ class WorkerHandle:
     @property
     def saturated(self) -> bool:
         """Whether a new request would wait for a place in the worker's batch."""
-        return len(self._sinks) >= self.engine.decode_concurrency
+        ready = self.ready.decode_concurrency if self.ready is not None else 0
+        return len(self._sinks) >= (ready or self.engine.decode_concurrency or DEFAULT_DECODE_CONCURRENCY)
 
     @property
     def alive(self) -> bool:

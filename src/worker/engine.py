@@ -68,6 +68,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
+    DEFAULT_DECODE_CONCURRENCY,
     DEFAULT_PREFILL_BUDGET_MS,
     Embed,
     EngineOptions,
@@ -84,7 +85,13 @@ from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
 from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
-from .limits import auto_prompt_cache_bytes, on_cuda, prefill_steps, prefill_token_cap
+from .limits import (
+    auto_decode_concurrency,
+    auto_prompt_cache_bytes,
+    on_cuda,
+    prefill_steps,
+    prefill_token_cap,
+)
 from .logprobs import TokenBytes, token_logprobs
 from .prefill import ChunkSizer, Prefill, PrefillScheduler, _segments
 from .prefix_cache import PrefixCache
@@ -185,6 +192,13 @@ class Engine(PromptBuilder, PrefillScheduler):
         #: the prefix cache again whenever it is emptied.
         self._pinned = None if o.prompt_cache_file is None else load_prompt_file(self, o.prompt_cache_file)
         self._seed_prefix_cache()
+        #: Most sequences decoded together: the options', or what the memory left holds (`limits`); a
+        #: worker group's, whose ranks must agree on it, the default.
+        self.decode_concurrency = o.decode_concurrency or DEFAULT_DECODE_CONCURRENCY
+        if o.decode_concurrency is None and group is None:
+            self.decode_concurrency = auto_decode_concurrency(
+                self.model, make_cache(self.model, o.max_kv_size), self.context_length,
+                share=prompt_cache_share, reserved_bytes=self.prompt_cache_bytes, floor=o.prompt_concurrency)
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self.masks = StepMasks()
@@ -211,6 +225,9 @@ class Engine(PromptBuilder, PrefillScheduler):
         self._admitted = 0
         #: Prompt tokens prefilled outside the batch (the scheduler's chunks and the fast path's).
         self.prefill_tokens = 0
+        #: The scheduler's model calls, and the prompts prefilled in calls that carried several (a burst).
+        self.prefill_calls = 0
+        self.prefill_batched = 0
         budget = o.prefill_budget_ms
         if budget is None:  # auto: see EngineOptions.prefill_budget_ms for CUDA's measured cost
             budget = 0 if on_cuda() else DEFAULT_PREFILL_BUDGET_MS
@@ -322,7 +339,8 @@ class Engine(PromptBuilder, PrefillScheduler):
     def report(self) -> EngineReport:
         """The queue, the batch and the prefix cache, now (safe to read from another thread)."""
         running = len(self._running) + (self._solo is not None) + len(self._prefills)
-        report = EngineReport(queued=len(self._waiting), batch_size=running)
+        report = EngineReport(queued=len(self._waiting), batch_size=running, prefill_calls=self.prefill_calls,
+                              prefill_batched=self.prefill_batched)
         return self.prefix_cache.report(report)
 
     def memory(self) -> MemoryReport:
@@ -401,7 +419,7 @@ class Engine(PromptBuilder, PrefillScheduler):
                             self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
             finally:
                 self.solo_enabled = solo
-        batch = range(self.options.decode_concurrency)
+        batch = range(self.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = self._new_prefix_cache()  # warm-up is no hit
         self._seed_prefix_cache()
@@ -523,7 +541,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         if self._solo is None and not self._running and not self._prefills and lone and self.solo_enabled:
             self._start_solo(self._waiting.popleft())
             return
-        room = (self.options.decode_concurrency - len(self._running) - (self._solo is not None)
+        room = (self.decode_concurrency - len(self._running) - (self._solo is not None)
                 - len(self._prefills))
         following: list[Sequence] = []
         while room > 0 and self._waiting:
@@ -766,7 +784,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         o = self.options
         return BatchGenerator(
             self.model,
-            completion_batch_size=o.decode_concurrency,
+            completion_batch_size=self.decode_concurrency,
             prefill_batch_size=self.prefill.batch_prompts,
             prefill_step_size=self.prefill.batch,
             max_kv_size=o.max_kv_size,

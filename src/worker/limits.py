@@ -1,5 +1,5 @@
-"""What the machine allows: how many prompt tokens one prefill call may carry, and how big the
-prefix cache may grow when no cap is given.
+"""What the machine allows: how many prompt tokens one prefill call may carry, how big the prefix
+cache may grow when no cap is given, and how many sequences the batch may decode together.
 
 MLX's CUDA backend launches its quantized gather matmul (a mixture-of-experts layer's experts) with
 one grid row per (token, expert) pair, and CUDA's y and z grid dimensions stop at 65535: one call
@@ -18,6 +18,7 @@ import structlog
 
 from ..ipc.protocol import (
     AUTO_PROMPT_CACHE_SHARE,
+    MAX_AUTO_DECODE_CONCURRENCY,
     MAX_AUTO_PROMPT_CACHE_BYTES,
     MIN_AUTO_PROMPT_CACHE_BYTES,
     EngineOptions,
@@ -80,14 +81,56 @@ def prefill_steps(o: EngineOptions, cap: int | None, model: str) -> PrefillSteps
     return steps
 
 
-def auto_prompt_cache_bytes(share: int = 1) -> int:
-    """The prefix cache's byte cap when none is given: an eighth of the memory MLX may use here
-    (Metal's recommended working set, a GPU's memory, else the machine's RAM), 1-64 GiB, split
-    evenly between the `share` workers that leave their cap on auto (one orchestrator's)."""
+def usable_memory() -> int:
+    """The memory MLX may use here, bytes: Metal's recommended working set, a GPU's memory, else the
+    machine's RAM."""
     import psutil
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     memory = next((int(info[k]) for k in MEMORY_KEYS if isinstance(info.get(k), int) and info[k] > 0), 0)
-    memory = memory or psutil.virtual_memory().total
-    total = min(memory // AUTO_PROMPT_CACHE_SHARE, MAX_AUTO_PROMPT_CACHE_BYTES)
+    return memory or psutil.virtual_memory().total
+
+
+def auto_prompt_cache_bytes(share: int = 1) -> int:
+    """The prefix cache's byte cap when none is given: an eighth of `usable_memory`, 1-64 GiB, split
+    evenly between the `share` workers that leave their cap on auto (one orchestrator's)."""
+    total = min(usable_memory() // AUTO_PROMPT_CACHE_SHARE, MAX_AUTO_PROMPT_CACHE_BYTES)
     return max(MIN_AUTO_PROMPT_CACHE_BYTES, total) // max(1, share)
+
+
+def sequence_kv_bytes(model: nn.Module, cache: list, context: int) -> int:
+    """The KV-cache bytes one sequence holds at `context` tokens: `cache` (a fresh one of the batch's
+    kind) is measured after one token through `model`; a layer that grows with the sequence counts
+    its bytes per token times the tokens it keeps (a rotating one keeps its window), others (a
+    linear-attention state) their size."""
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return sum(_layer_kv_bytes(c, context) for c in cache)
+
+
+def _layer_kv_bytes(c, context: int) -> int:
+    inner = getattr(c, "caches", None)  # mlx-lm's CacheList
+    if inner is not None:
+        return sum(_layer_kv_bytes(x, context) for x in inner)
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+        kept = min(context, getattr(c, "max_size", None) or context)
+        return (keys.nbytes + values.nbytes) * kept // keys.shape[2]
+    return int(c.nbytes)
+
+
+def auto_decode_concurrency(model: nn.Module, cache: list, context: int, *, share: int, reserved_bytes: int,
+                            floor: int) -> int:
+    """The decode batch when none is given: as many sequences as the memory MLX may use (this worker's
+    `share` of it), less what is loaded and `reserved_bytes` (the prefix cache's cap), holds at its whole
+    `context` each (`sequence_kv_bytes`, on `cache`), within [`floor`, `MAX_AUTO_DECODE_CONCURRENCY`]."""
+    free = usable_memory() // max(1, share) - mx.get_active_memory() - reserved_bytes
+    return batch_that_fits(sequence_kv_bytes(model, cache, context), free, floor)
+
+
+def batch_that_fits(sequence_bytes: int, free_bytes: int, floor: int) -> int:
+    """The sequences whose KV (`sequence_bytes` each) fits in `free_bytes`, within [`floor`,
+    `MAX_AUTO_DECODE_CONCURRENCY`] (mlx-lm decodes at least as many as it prefills together, so
+    `floor` is the prompt concurrency)."""
+    fits = free_bytes // max(1, sequence_bytes)
+    return max(min(floor, MAX_AUTO_DECODE_CONCURRENCY), min(MAX_AUTO_DECODE_CONCURRENCY, fits))

@@ -143,6 +143,7 @@ def _ready(hello: Hello, engine) -> Ready:
         device=str(mx.default_device()),
         capabilities=engine.capabilities,
         path=engine.path,
+        decode_concurrency=getattr(engine, "decode_concurrency", 0),
     )
 
 

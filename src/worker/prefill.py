@@ -15,6 +15,10 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
   chunks of a long one; a prompt passed over `MAX_SKIPS` chunks in a row goes next, so neither a
   flood of short prompts starves a long one nor a stream of long ones a short one, and long prompts
   take turns.
+- **Short prompts together** (`batch_rows`, `run_rows`): where the prompt chosen next fits the chunk
+  whole, the shortest others that fit beside it (padding counted, at most `prompt_concurrency`) join
+  it in one call, right-padded as mlx-lm's `BatchGenerator` prefills a burst, each on its own cache
+  again after.
 
 A chunk never crosses a segment boundary (`_segments`), so the engine keeps its checkpoints
 (system prompt, end of prompt) and releases forked choices exactly where the batch would.
@@ -34,9 +38,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch
 
 from ..ipc.protocol import EngineOptions
 from .kvcache import full_precision, make_cache
+from .limits import PrefillSteps
 from .prefix_cache import PrefixCache
 from .sequence import BatchStepError, Sequence, reseed
 
@@ -95,11 +101,30 @@ def pick(prefills: list[Prefill]) -> Prefill:
     return min(prefills, key=lambda p: (p.remaining, p.order))
 
 
-def passed_over(prefills: list[Prefill], chosen: Prefill, seconds: float) -> None:
+def batch_rows(prefills: list[Prefill], first: Prefill, size: int, most: int) -> list[Prefill]:
+    """The prompts to prefill in one call: `first` alone unless its current segment fits in `size`
+    tokens; then with up to `most` - 1 others whose current segments fit beside it, fewest tokens left
+    first, `size` counting the padding (rows times the longest segment), as mlx-lm batches prompts."""
+    if first.ready or len(first.segments[0]) > size:
+        return [first]
+    rows, longest = [first], len(first.segments[0])
+    for p in sorted(prefills, key=lambda p: (p.remaining, p.order)):
+        if len(rows) >= most:
+            break
+        n = len(p.segments[0])
+        if p is first or p.ready or (len(rows) + 1) * max(longest, n) > size:
+            continue
+        rows.append(p)
+        longest = max(longest, n)
+    return rows
+
+
+def passed_over(prefills: list[Prefill], chosen: list[Prefill], seconds: float) -> None:
     """`chosen` ran a chunk of `seconds`: every other prompt waited that long behind it."""
-    chosen.skipped = 0
     for p in prefills:
-        if p is not chosen:
+        if any(p is c for c in chosen):
+            p.skipped = 0
+        else:
             p.skipped += 1
             p.seq.prefill_wait_s += seconds
 
@@ -155,6 +180,27 @@ def run_chunk(model, p: Prefill, size: int, stream) -> tuple[int, float, bool]:
     return len(chunk), seconds, ended
 
 
+def run_rows(model, rows: list[Prefill], stream) -> tuple[int, float]:
+    """Prefill the current segment of every prompt in `rows` in one call, right-padded as mlx-lm's
+    `PromptProcessingBatch` does, each prompt on its own cache again after; (tokens, seconds). The
+    caches are evaluated, so the seconds are the call's, and each row's own prefill time."""
+    chunks = [p.segments.pop(0) for p in rows]
+    t0 = time.perf_counter()
+    with mx.stream(stream):
+        batch = PromptProcessingBatch(model, list(range(len(rows))), [p.cache for p in rows],
+                                      prefill_step_size=max(len(c) for c in chunks))
+        batch.prompt(chunks)
+        caches = [batch.extract_cache(i) for i in range(len(rows))]
+        mx.eval([c.state for cache in caches for c in cache])
+    seconds = time.perf_counter() - t0
+    mx.clear_cache()
+    for p, chunk, cache in zip(rows, chunks, caches, strict=True):
+        p.cache = cache
+        p.tokens += chunk
+        p.seq.prefill_s += seconds
+    return sum(len(c) for c in chunks), seconds
+
+
 class PrefillScheduler:
     """How an admitted sequence reaches the batch: inserted with its prompt (no budget), or prefilled
     here chunk by chunk and inserted at its last token; its prompt's checkpoints on the way.
@@ -168,7 +214,11 @@ class PrefillScheduler:
     trimmable: bool  # every layer's cache can be trimmed: no "user" checkpoint needed
     scheduled: bool  # prompts are prefilled here in budgeted chunks (else by mlx-lm, in the batch)
     sizer: ChunkSizer
+    prefill: PrefillSteps
     prefill_tokens: int
+    #: Model calls the scheduler made, and the prompts prefilled in calls that carried several.
+    prefill_calls: int
+    prefill_batched: int
     _batch: Any  # mlx-lm's BatchGenerator
     _waiting: deque[Sequence]
     _running: dict[int, Sequence]
@@ -235,30 +285,40 @@ class PrefillScheduler:
 
     def _prefill_step(self) -> None:
         """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
-        chooses, each sized by the measured rate; a prompt left with its last token joins the batch."""
+        chooses, each sized by the measured rate, short prompts that fit the chunk together in one
+        call (`batch_rows`); a prompt left with its last token joins the batch."""
         for p in [p for p in self._prefills if p.ready]:
             self._join(p)
         spent = 0.0
         while self._prefills and spent * 1e3 < self.sizer.budget_ms:
-            p = pick(self._prefills)
+            size = self.sizer.size(spent * 1e3)
+            rows = batch_rows(self._prefills, pick(self._prefills), size, self.prefill.batch_prompts)
             try:
-                n, seconds, ended = run_chunk(self.model, p, self.sizer.size(spent * 1e3), self._batch.stream)
+                if len(rows) > 1:
+                    n, seconds = run_rows(self.model, rows, self._batch.stream)
+                    ended = True
+                else:
+                    n, seconds, ended = run_chunk(self.model, rows[0], size, self._batch.stream)
             except Exception as exc:
                 reseed()
-                self._prefills.remove(p)
                 error = BatchStepError(f"prefill step failed: {exc!r}")
                 error.__cause__ = exc
-                self._unlead(p.seq)
-                self._failed(p.seq, error)
+                for p in rows:
+                    self._prefills.remove(p)
+                    self._unlead(p.seq)
+                    self._failed(p.seq, error)
                 continue
             self.sizer.record(n, seconds)
             self.prefill_tokens += n
-            passed_over(self._prefills, p, seconds)
+            self.prefill_calls += 1
+            self.prefill_batched += len(rows) if len(rows) > 1 else 0
+            passed_over(self._prefills, rows, seconds)
             spent += seconds
-            if ended and p.segments:
-                self._boundary(p)
-            if p.ready:
-                self._join(p)
+            for p in rows:
+                if ended and p.segments:
+                    self._boundary(p)
+                if p.ready:
+                    self._join(p)
 
     def _boundary(self, p: Prefill) -> None:
         """`p`'s prefill reached a segment's end: keep its checkpoint, release its forks, as the batch's
