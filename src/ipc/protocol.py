@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency, EngineReport.prefill_calls
+#: and prefill_batched.
 #: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
 #: 8: Generate.resume, Stats.resumes, DiskCacheReport.skipped.
 #: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;
@@ -25,7 +27,7 @@ import msgspec
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
