@@ -149,6 +149,20 @@ def test_a_rank_killed_or_stalled_mid_stream_ends_the_group_as_one(tiny_model):
         assert_stopped(second)
 
 
+def test_a_stream_goes_on_after_its_group_dies(tiny_model):
+    """Rank 1 SIGKILLed mid-stream: the group restarts as one and the stream goes on on it, with the
+    greedy tokens an uninterrupted run gives, counted once."""
+    with Runtime(model=tiny_model, ranks=2, transport="ring", timeouts=Timeouts(collective_s=10),
+                 supervision=Supervision(backoff_initial_s=0.1)) as rt:
+        whole = rt.generate("A group that dies", max_tokens=200, ignore_eos=True)
+        stream = rt.stream("A group that dies", max_tokens=200, ignore_eos=True)
+        ids = list(next(stream).tokens)
+        os.kill(rt.workers[0].ranks[1].pid, signal.SIGKILL)
+        ids += [t for chunk in run_with_deadline(lambda: list(stream), 120) for t in chunk.tokens]
+        assert rt.workers[0].resumes == 1
+    assert ids == whole.tokens and stream.stats.resumes == 1 and stream.stats.generation_tokens == 200
+
+
 def _host_file(tmp_path, content) -> str:
     path = tmp_path / "hosts.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
