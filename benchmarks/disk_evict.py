@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nreturning turns, {args.sessions} sessions x {args.rounds} rounds, memory tier "
           f"{args.memory_bytes / 2**20:.0f} MiB, prompt {arms['disk'][0]['prompt_tokens']} tokens:")
     for name, f in figures.items():
-        disk = {k: rows[-1][f"disk_{k}"] for k in ("hits", "writes", "skipped")} if name == "disk" else ""
+        last = arms[name][-1]
+        disk = {k: last[f"disk_{k}"] for k in ("hits", "writes", "skipped")} if name == "disk" else ""
         print(f"  {name:<12} TTFT {f['ttft_ms']} ms, hit rate {f['hit_rate']:.2f} {disk}")
     doc = {"benchmark": STUDY, "env": runner.environment(), "args": vars(args), "figures": figures,
            "turns": {n: [{k: v for k, v in x.items() if k != "tokens"} for x in rows]

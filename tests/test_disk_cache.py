@@ -219,6 +219,23 @@ def test_a_burst_of_writes_past_the_queue_flushes_promptly(tmp_path):
     tier.close()
 
 
+def test_a_prefix_is_loaded_until_the_disk_is_measured_then_by_the_rates(tmp_path):
+    """Before any load is timed a prefix on disk is loaded (the load measures the disk); after, only where
+    reading it is faster than prefilling the tokens it saves at the engine's rate."""
+    e = engine("tiny", tmp_path)
+    first, _ = ask(e, 1)
+    e.close()
+    later = engine("tiny", tmp_path)
+    tier = later._disk
+    tier._scan()
+    (entry, *_) = sorted(tier._entries.values(), key=lambda x: -x.tokens)
+    assert tier.read_bps is None and tier.worth_loading(entry, entry.tokens, prefill_tps=1e12)
+    assert ask(later, 2)[0] == first and tier.hits == 1 and tier.read_bps > 0
+    assert not tier.worth_loading(entry, entry.tokens, prefill_tps=1e12)  # prefill "infinitely" fast
+    assert tier.worth_loading(entry, entry.tokens, prefill_tps=1e-3)
+    later.close()
+
+
 def test_two_tiers_writing_one_prefix_at_once_leave_one_whole_entry(tmp_path):
     """Two workers writing the same prefix concurrently: one entry, which loads."""
     from mlxrt.worker.disk_cache import DiskTier

@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
-#: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency, EngineReport.prefill_calls
-#: and prefill_batched.
+#: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
+#: EngineReport.prefill_calls and prefill_batched.
 #: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
 #: 8: Generate.resume, Stats.resumes, DiskCacheReport.skipped.
 #: 7: EngineOptions.prefill_budget_ms, Stats.prefill_ms, prefill_wait_ms and longest_gap_ms;

@@ -22,7 +22,8 @@ restarts and crashes, shared by every worker of the model and the next process.
   removed with a warning, never used.
 - Least-recently-used within the byte budget (a load touches the file's time).
 - A prefix is loaded only where that is faster than prefilling it (`worth_loading`: the bytes at
-  the disk's measured read rate against the tokens at the engine's measured prefill rate).
+  the disk's measured read rate against the tokens at the engine's measured prefill rate). Until a
+  load has been timed, a prefix is loaded: the first load measures the disk.
 - A directory that cannot be written, or a full disk, turns the tier off with one warning; serving
   goes on from memory.
 
@@ -57,8 +58,6 @@ IDENTITY_KEY = "mlxrt_identity"
 RESCAN_S = 2.0
 #: Prefixes shorter than this are not written: prefilling them costs less than a file.
 MIN_TOKENS = 32
-#: Until a load is measured, the disk is taken to read this fast (bytes/s); a laptop's SSD reads more.
-ASSUMED_READ_BPS = 500e6
 #: Entries queued for writing at most, and their bytes at most (snapshots held outside the memory
 #: tier's cap): past either, a new write is refused (`put`).
 MAX_QUEUED_WRITES = 8
@@ -142,7 +141,8 @@ class DiskTier:
         self.kinds = kinds
         self.enabled = max_bytes > 0 and all(hasattr(mlx_cache, k) for k in kinds)
         self.hits = self.loads = self.writes = self.removed = 0
-        self.read_bps = ASSUMED_READ_BPS
+        #: The disk's read rate as loads measured it (bytes/s); None until one has.
+        self.read_bps: float | None = None
         self._entries: dict[str, Entry] = {}
         self._lock = threading.Lock()
         self._scanned = 0.0
@@ -201,9 +201,10 @@ class DiskTier:
         return None
 
     def worth_loading(self, entry: Entry, gain_tokens: int, prefill_tps: float | None) -> bool:
-        """Whether reading `entry` is faster than prefilling the `gain_tokens` it saves (at the engine's
-        measured `prefill_tps`; unknown: load)."""
-        if not prefill_tps:
+        """Whether reading `entry` is faster than prefilling the `gain_tokens` it saves, at the disk's and
+        the engine's measured rates; either unmeasured: load (an assumed read rate that says no would
+        never be measured: an H200 prefilling 6k tokens/s never loaded an 8k-token prefix so)."""
+        if not prefill_tps or not self.read_bps:
             return True
         return entry.nbytes / self.read_bps < gain_tokens / prefill_tps
 
@@ -227,7 +228,8 @@ class DiskTier:
             return None
         seconds = time.perf_counter() - t0
         if seconds > 0:
-            self.read_bps = 0.5 * self.read_bps + 0.5 * entry.nbytes / seconds
+            rate = entry.nbytes / seconds
+            self.read_bps = rate if self.read_bps is None else 0.5 * self.read_bps + 0.5 * rate
         entry.used, entry.verified = time.time(), True
         try:
             os.utime(entry.path)
