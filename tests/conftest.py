@@ -18,6 +18,66 @@ from support import SCRIPT, SCRIPTED, SHM_GLOB, child_pids, created_here, runnin
 os.environ.setdefault("MLXRT_PROMPT_CACHE_DISK_BYTES", "0")
 
 
+# ---- how `make test` shares the files among its pytest processes (--dist loadfile) ----
+
+# The modules that only send requests to `scripted_server` (five scripted workers): one unit of work, so
+# one pytest process runs them all and the server starts once, not once per process.
+SCRIPTED_SERVER_MODULES = {"test_anthropic", "test_responses", "test_tools_http"}
+# Files that take longest (seconds of a fresh-clone run), started first: a process free early takes the
+# next file, so the last files to start are short ones and the processes end together.
+SLOWEST_FIRST = ["test_bench", "test_faults", "test_supervisor", "test_engine", "test_group", "test_http",
+                 "test_agent_clis", "scripted_server", "test_ring", "test_batching", "test_speculative",
+                 "test_options", "test_soak", "test_synthetic", "test_client_compat", "test_spares",
+                 "test_prompt_file", "test_embeddings", "test_runtime", "test_kv_options",
+                 "test_forced_tools", "test_structured", "test_storm", "test_scheduler", "test_disk_cache"]
+
+
+# Slow modules with no module-scoped fixture: each test is a unit of its own, so their tests (many of them
+# start processes and wait on them) spread over every pytest process instead of queueing in one.
+ONE_TEST_UNITS = {"test_bench", "test_faults", "test_supervisor", "test_http", "test_ring", "test_soak",
+                  "test_spares", "test_prompt_file"}
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, "scripted_server" for the modules sharing it, or
+    the test itself in ONE_TEST_UNITS."""
+    module = _module(nodeid)
+    if module in ONE_TEST_UNITS:
+        return nodeid
+    return "scripted_server" if module in SCRIPTED_SERVER_MODULES else module
+
+
+def pytest_collection_modifyitems(config, items):
+    """Units slowest first (pytest-xdist hands them out in this order); a module's tests keep theirs."""
+    def group(nodeid: str) -> str:
+        return "scripted_server" if _module(nodeid) in SCRIPTED_SERVER_MODULES else _module(nodeid)
+
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(group(item.nodeid), len(first_seen))
+    items.sort(key=lambda it: (rank.get(group(it.nodeid), len(rank)), first_seen[group(it.nodeid)]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own loadfile scheduler
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile in the units `_unit` names (pytest-xdist 3.8's loadgroup no longer groups under
+    pytest 9, whose node ids it cannot tag)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleUnits(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     """Path of the `tiny` synthetic model, made once per cache."""

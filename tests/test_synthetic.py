@@ -269,13 +269,14 @@ def test_real_shapes_build_lazily(name, billions, kinds, moe):
     assert any(isinstance(v, dict) and v["bits"] == 8 for v in quant.values()) is moe
 
 
-def test_qwen05b_4bit_loads_quantized_and_decodes(tmp_path):
+def test_qwen05b_4bit_loads_quantized_and_decodes():
     """The real-shape 0.5B 4-bit model loads with quantized layers and yields a finite first token."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx_lm
 
-    path = make_model("qwen2.5-0.5b-4bit", tmp_path / "q")
+    # Made once per cache (its marker names the preset, seed and format): about 20 s to draw.
+    path = ensure_model("qwen2.5-0.5b-4bit")
     cfg = json.loads((path / "config.json").read_text())
     quant = {"group_size": 64, "bits": 4, "mode": "affine"}
     assert cfg["quantization"] == cfg["quantization_config"] == quant  # as mlx_lm.convert -q writes it
