@@ -340,13 +340,15 @@ def test_client_disconnect_cancels_generation(srv, http, path, body):
 
 def test_worker_death_mid_stream_then_503(tiny_model):
     """A worker killed mid-stream ends the stream with an error event; with no worker left it is 503."""
-    s = ServerThread({"a": tiny_model, "b": tiny_model}, **NO_RESTART)
+    # A context long enough that the streams are still running when a loaded machine gets to the kill.
+    long = "synthetic:tiny?context=8192"
+    s = ServerThread({"a": long, "b": long}, **NO_RESTART)
     url = s.start()
     pids = s.pids
     try:
         by_model = {w.model: w.pid for w in s.rt.workers}
         with httpx.Client(base_url=url, timeout=30) as c:
-            body = {"model": "a", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+            body = {"model": "a", "prompt": "Hi", "max_tokens": 6000, "ignore_eos": True, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
@@ -354,7 +356,7 @@ def test_worker_death_mid_stream_then_503(tiny_model):
                 events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
             assert "error" in events[-1] and "worker" in events[-1]["error"]["message"]
             assert events[-1]["error"]["code"] == "worker_unavailable"
-            body = {"model": "b", "prompt": "Hi", "raw": True, "options": {"num_predict": 500}}
+            body = {"model": "b", "prompt": "Hi", "raw": True, "options": {"num_predict": 6000}}
             with c.stream("POST", "/api/generate", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
