@@ -459,7 +459,7 @@ class Sampler:
         self.thermal_levels: Counter[str] = Counter()
         self.restarts = 0
         self.failed_samples = 0
-        self._last = (t0, 0)
+        self._last = (0.0, 0)  # (seconds since t0, tokens) of the last sample
 
     def run(self, stop: threading.Event, every_s: float) -> None:
         next_t = time.monotonic() + every_s
@@ -474,12 +474,13 @@ class Sampler:
                 next_t = time.monotonic() + every_s
 
     def sample(self) -> None:
-        now = time.monotonic()
-        t = now - self.t0
+        t = time.monotonic() - self.t0
+        t_r = round(t, 3)
         tokens = sum(self.tally.tokens)
         last_t, last_tokens = self._last
-        self._last = (now, tokens)
-        tok_s = (tokens - last_tokens) / (now - last_t) if now > last_t else 0.0
+        self._last = (t_r, tokens)
+        # From the row's own time and count: a reader of samples.csv gets the same rate from them.
+        tok_s = (tokens - last_tokens) / (t_r - last_t) if t_r > last_t else 0.0
         ttfts, rates = self.tally.take_latencies()
         workers = self.rt.workers
         self.restarts = sum(getattr(w, "restarts", 0) for w in workers)
@@ -496,7 +497,6 @@ class Sampler:
         self.thermal_levels[therm_level] += 1
         mlx_sum = {k: (sum(getattr(m, k) for m in mlx.values()) if mlx is not None else None)
                    for k in ("active_bytes", "peak_bytes", "cache_bytes")}
-        t_r = round(t, 3)
         self.samples.writerow([
             t_r, tokens, _r(tok_s), self.tally.ok, sum(self.tally.active), _r(percentile(ttfts, 50)),
             _r(percentile(ttfts, 95)), _r(percentile(rates, 50)), self.tally.unexpected,
