@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda it: (rank.get(group(it.nodeid), len(rank)), first_seen[group(it.nodeid)]))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own loadfile scheduler
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before pytest-xdist's own loadfile scheduler
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile in the units `_unit` names (pytest-xdist 3.8's loadgroup no longer groups under
     pytest 9, whose node ids it cannot tag)."""
