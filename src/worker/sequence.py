@@ -318,8 +318,6 @@ class Sequence:
         self.resumed = self.generated = len(tokens)
         self.resumes = count
         self.max_tokens -= len(tokens)
-        if isinstance(self.sampler, KeyedSampler):
-            self.sampler.drawn = len(tokens)
         con = self.constraint
         if con is not None and tokens:
             # The last token is the prompt's last now: the grammar's first call takes it (`Constraint`).
@@ -327,8 +325,7 @@ class Sequence:
                 if not con.matcher.consume_token(token):
                     raise ValueError(f"the grammar refuses the resumed reply at token {token}")
             con.started = True
-        feed = self.reply.feed if self.reply is not None else _drop
-        if self.text.replay(tokens, feed):
+        if replay_reply(self.text, self.reply, self.sampler, tokens):
             self.ended = "stop"
         elif self.max_tokens <= 0:
             self.ended = "length"
@@ -357,6 +354,14 @@ class Sequence:
             longest_gap_ms=self.longest_gap_s * 1e3,
             resumes=self.resumes,
         )
+
+
+def replay_reply(text: TextStream, reply, sampler, tokens: list[int]) -> bool:
+    """A resumed reply's `tokens` through its text stream and reply splitter (`reply.py`; None: plain
+    text), sending nothing, and a seeded sampler's place after them; True if a stop string was hit."""
+    if isinstance(sampler, KeyedSampler):
+        sampler.drawn = len(tokens)
+    return text.replay(tokens, reply.feed if reply is not None else _drop)
 
 
 def _drop(_text: str) -> None:

@@ -56,11 +56,11 @@ from .prompt import (
 )
 from .reply import make_splitter, split_emit
 from .sequence import (
-    KeyedSampler,
     Listener,
     TextStream,
     make_request_processors,
     make_request_sampler,
+    replay_reply,
     reseed,
 )
 
@@ -410,10 +410,8 @@ class VisionEngine:
     def _replay(self, run: _Run, tokens: list[int], sampler) -> bool:
         """Pass a resumed reply's `tokens` through the text stream and reply splitter unsent, the seeded
         sampler's place after them; True when the reply had already ended there (its end is sent)."""
-        if isinstance(sampler, KeyedSampler):
-            sampler.drawn = len(tokens)
         assert run.text is not None
-        stopped = run.text.replay(tokens, run.reply.feed if run.reply is not None else _drop)
+        stopped = replay_reply(run.text, run.reply, sampler, tokens)
         if not stopped and run.generated < run.max_tokens:
             return False
         run.listener.started(run.req.id)
@@ -588,9 +586,6 @@ def _decode_image(i: int, data: bytes):
     except Exception as exc:  # Pillow raises several types for a bad file
         raise InvalidField(f"images[{i}]", f": not a decodable image ({type(exc).__name__})") from None
 
-
-def _drop(_text: str) -> None:
-    pass
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
