@@ -115,7 +115,7 @@ def run_storm(
         pids_seen.update(w.pid for w in rt.workers if w.pid > 0)
     finally:
         rt.close()
-    record.orphans = _alive(pids_seen)
+    record.orphans = sorted(p.pid for p in still_alive(pids_seen))
     record.segments_left = sorted(p for p in set(glob.glob("/dev/shm/mlxrt-*")) - shm_before if _ours(p))
     return record
 
@@ -219,7 +219,8 @@ def _recovers(rt, within_s: float) -> bool:
     return bool(box)
 
 
-def _alive(pids: set[int]) -> list[int]:
+def still_alive(pids: set[int]) -> list[psutil.Process]:
+    """Those of `pids` still running (not zombies) after up to 10 s of grace (the tests' leak check too)."""
     procs = []
     for pid in pids:
         try:
@@ -227,7 +228,7 @@ def _alive(pids: set[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(procs, timeout=10)
-    return sorted(p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE)
+    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def _ours(path: str) -> bool:

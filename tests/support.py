@@ -26,6 +26,8 @@ from mlxrt.orchestrator.http.app import create_app
 from mlxrt.synthetic.presets import PRESETS
 from mlxrt.worker.engine import Engine
 
+from benchmarks.storm import still_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the checkout, not an installed package
     sys.path.insert(0, str(ROOT))
@@ -58,18 +60,6 @@ def created_here(path: str, pid: int | None = None) -> bool:
 def child_pids() -> set[int]:
     """Pids of every live descendant of this process."""
     return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def still_alive(pids: set[int]) -> list[psutil.Process]:
-    """Those of `pids` still running (not zombies) after up to 10 s of grace."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 def assert_stopped(pids: list[int]) -> None:
