@@ -93,7 +93,7 @@ from .limits import (
     prefill_token_cap,
 )
 from .logprobs import TokenBytes, token_logprobs
-from .prefill import ChunkSizer, Prefill, PrefillScheduler, _segments
+from .prefill import ChunkSizer, Prefill, PrefillScheduler, prompt_segments
 from .prefix_cache import PrefixCache
 from .prompt import DEFAULT_CONTEXT_LENGTH, PromptBuilder, capabilities, check_request, reasoning_open
 from .prompt_file import load_prompt_file
@@ -572,8 +572,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         try:
             cache, n = self.prefix_cache.fetch(seq.ids)
             seq.cached_tokens = n
-            segments, seq.checkpoint_kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
-                                                       turn_end=seq.turn_end)
+            segments, seq.checkpoint_kinds = prompt_segments(seq.ids, n, seq.system_end,
+                                                             trimmable=self.trimmable, turn_end=seq.turn_end)
             o = self.options
             self._solo = Solo(self.model, seq, cache, segments, prefill_step_size=self.prefill.solo,
                               stream=self._batch.stream, kv=self.kv, max_kv_size=o.max_kv_size,

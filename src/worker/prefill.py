@@ -20,7 +20,7 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
   it in one call, right-padded as mlx-lm's `BatchGenerator` prefills a burst, each on its own cache
   again after.
 
-A chunk never crosses a segment boundary (`_segments`), so the engine keeps its checkpoints
+A chunk never crosses a segment boundary (`prompt_segments`), so the engine keeps its checkpoints
 (system prompt, end of prompt) and releases forked choices exactly where the batch would.
 
 `PrefillScheduler`, a base class of `Engine` (as `prompt.PromptBuilder` is), holds the engine's side:
@@ -237,8 +237,8 @@ class PrefillScheduler:
             cache, n = self.prefix_cache.fetch(seq.ids)
         cache = full_precision(cache)  # a lone sequence's quantized cache: the batch cannot merge it
         seq.cached_tokens = n
-        segments, kinds = _segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
-                                    fork=bool(seq.forks), turn_end=seq.turn_end)
+        segments, kinds = prompt_segments(seq.ids, n, seq.system_end, trimmable=self.trimmable,
+                                          fork=bool(seq.forks), turn_end=seq.turn_end)
         if self.scheduled:
             self._queue_prefill(seq, cache, segments, kinds, list(seq.ids[:n]))
             return
@@ -393,8 +393,8 @@ class PrefillScheduler:
             seq.leads = None
 
 
-def _segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
-              fork: bool = False, turn_end: int = 0) -> tuple[list, list[str | None]]:
+def prompt_segments(ids: list[int], cached: int, system_end: int, *, trimmable: bool,
+                    fork: bool = False, turn_end: int = 0) -> tuple[list, list[str | None]]:
     """The uncached prompt as segments, and the checkpoint kind at each inner boundary, last first.
 
     An uncached system prompt is a segment of its own, checkpointed, so that
