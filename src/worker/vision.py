@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
+from mlx_lm.sample_utils import greedy_sampler
 
 from ..ipc.protocol import (
     EngineOptions,
@@ -387,7 +388,7 @@ class VisionEngine:
         run.resumes = resume.count if resume is not None else 0
         run.stops = set() if p.ignore_eos else set(self._eos)
         run.stops.update(p.stop_token_ids)
-        sampler = make_request_sampler(p) or _greedy
+        sampler = make_request_sampler(p) or greedy_sampler
         # Only a chat reply has reasoning and tool calls to split out.
         if req.messages is not None:
             run.reply = make_splitter(self.tokenizer, self.capabilities, req.chat, ids)
@@ -586,10 +587,6 @@ def _decode_image(i: int, data: bytes):
     except Exception as exc:  # Pillow raises several types for a bad file
         raise InvalidField(f"images[{i}]", f": not a decodable image ({type(exc).__name__})") from None
 
-
-
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 def _prepend(first, rest):
