@@ -53,7 +53,10 @@ def one_sample(model: str, transport: str, spares: int, tokens: int, after: int)
         w = rt.workers[0]
         assert stream.stats.resumes == 1 and w.resumes == 1
         assert not standby or w.pid == standby[0].pid, "the spare did not take over"
+        st = stream.stats  # the resumed worker's: from its receipt of the request
         return {"pause_s": resumed_at - killed_at, "token_gap_s": sorted(gaps)[len(gaps) // 2],
+                "worker_queue_ms": st.queue_ms, "worker_ttft_ms": st.ttft_ms,
+                "worker_prefill_ms": st.prefill_ms,
                 "whole_s": whole_s, "spares": spares, "transport": rt.transport, "tokens": len(got),
                 "prompt_tokens": whole.stats.prompt_tokens, "identical": got == whole.tokens,
                 "first_difference": first_divergence(got, whole.tokens)}
@@ -78,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.spares:  # interleaved, so drift on a shared machine hits both alike
             one = one_sample(args.model, args.transport, n, args.tokens, args.after)
             samples[n].append(one)
-            print(f"sample {i + 1}/{args.samples}, spares={n}: pause {one['pause_s'] * 1e3:.0f} ms",
+            print(f"sample {i + 1}/{args.samples}, spares={n}: pause {one['pause_s'] * 1e3:.0f} ms, of it in "
+                  f"the resuming worker: queued {one['worker_queue_ms']:.0f} ms, then to its first token "
+                  f"{one['worker_ttft_ms']:.0f} ms (prefill {one['worker_prefill_ms']:.0f} ms)",
                   file=sys.stderr)
     results = {}
     for n, got in samples.items():
