@@ -177,6 +177,7 @@ def test_metrics_show_the_prefix_cache_and_its_disk_tier(tmp_path, tiny_model):
         assert metric(http, "mlxrt_prompt_cache_bytes", **labels) > 0
         assert metric(http, "mlxrt_prompt_cache_disk_entries", **labels) >= 1
         assert metric(http, "mlxrt_prompt_cache_disk_bytes", **labels) > 0
+        assert 'mlxrt_prompt_cache_disk_evicted_writes_total{model="tiny"' in http.get("/metrics").text
 
 
 def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path, tiny_model):
@@ -213,7 +214,7 @@ def test_a_burst_of_writes_past_the_queue_flushes_promptly(tmp_path):
     for i in range(4 * MAX_QUEUED_WRITES):
         tier.put([i] * 40, kv_cache(40))
     assert tier.flush(timeout=60)
-    assert tier._queue.unfinished_tasks == 0
+    assert tier.pending == 0
     assert 1 <= tier.writes <= 4 * MAX_QUEUED_WRITES and len(entries(tmp_path)) == tier.writes
     assert tier.writes + tier.skipped == 4 * MAX_QUEUED_WRITES
     tier.close()
@@ -289,3 +290,80 @@ def test_serve_without_a_writable_cache_home_keeps_serving(monkeypatch, tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     opts = _engine_options(build_parser().parse_args(["serve", "--model", "m"]))
     assert opts.prompt_cache_dir == str((tmp_path / "cache" / "mlxrt" / "prompt-cache").resolve())
+
+
+class PausedWriter:
+    """Holds `tier`'s writer inside its next write until `release()`: the writer is "behind"."""
+
+    def __init__(self, tier) -> None:
+        import threading
+
+        self.tier, self.gate, self.inside = tier, threading.Event(), threading.Event()
+        write = tier._write
+
+        def paused(*args):
+            self.inside.set()
+            assert self.gate.wait(60), "the test never released the writer"
+            return write(*args)
+
+        tier._write = paused
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_a_prefix_the_writer_was_behind_for_is_written_when_memory_evicts_it(tmp_path, monkeypatch):
+    """A write-through refused while the writer was behind leaves the prefix in memory only; when the
+    memory tier evicts it, it is written then, and a later process finds it on disk."""
+    from mlxrt.worker import disk_cache
+    from mlxrt.worker.disk_cache import DiskTier
+    from mlxrt.worker.prefix_cache import PrefixCache
+
+    monkeypatch.setattr(disk_cache, "MAX_QUEUED_WRITES", 1)
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    size = sum(c.nbytes for c in kv_cache(64))
+    memory = PrefixCache(2 * size, disk=tier)  # two entries fit
+    a, b, c, d, e = ([i] * 64 for i in range(1, 6))
+    paused = PausedWriter(tier)
+    memory.insert(a, kv_cache(64))
+    assert paused.inside.wait(30)  # a is being written
+    memory.insert(b, kv_cache(64))  # waits
+    memory.insert(c, kv_cache(64))  # refused: the writer is behind; a is evicted (being written anyway)
+    assert tier.skipped == 1
+    paused.release()
+    assert tier.flush(timeout=60)
+    assert tier.writes == 2 and tier.evicted_writes == 0 and len(entries(tmp_path)) == 2
+    memory.insert(d, kv_cache(64))  # evicts b, on disk already
+    assert tier.flush(timeout=60)
+    memory.insert(e, kv_cache(64))  # evicts c: to disk now, ahead of e's write-through (refused)
+    assert tier.flush(timeout=60)
+    assert tier.evicted_writes == 1 and tier.writes == 4 and tier.skipped == 2
+    tier.close()
+    later = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    for ids in (a, b, c, d):
+        found = later.find([*ids, 9], 0)
+        assert found is not None and later.load(found, [*ids, 9]) is not None
+    assert later.find([*e, 9], 0) is None  # in memory only, until it is evicted
+    later.close()
+
+
+def test_an_evicted_prefix_goes_ahead_of_a_waiting_write_through(tmp_path, monkeypatch):
+    """The write queue is full of a write-through (still in memory) when an evicted prefix comes: the
+    write-through is withdrawn (counted as skipped) and the evicted one is written."""
+    from mlxrt.worker import disk_cache
+    from mlxrt.worker.disk_cache import DiskTier
+
+    monkeypatch.setattr(disk_cache, "MAX_QUEUED_WRITES", 1)
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    paused = PausedWriter(tier)
+    tier.put([1] * 40, kv_cache(40))
+    assert paused.inside.wait(30)
+    tier.put([2] * 40, kv_cache(40))  # waits
+    tier.put([3] * 40, kv_cache(40), evicted=True)  # withdraws [2] * 40
+    tier.put([4] * 40, kv_cache(40))  # refused: an evicted prefix waits
+    paused.release()
+    assert tier.flush(timeout=60)
+    assert (tier.writes, tier.evicted_writes, tier.skipped) == (2, 1, 2)
+    found = [n for n in (1, 2, 3, 4) if tier.find([n] * 40 + [9], 0) is not None]
+    assert found == [1, 3]
+    tier.close()

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 11: DiskCacheReport.evicted_writes (the memory tier's evictions written to disk).
 #: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
 #: EngineReport.prefill_calls and prefill_batched.
 #: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
@@ -27,7 +28,7 @@ import msgspec
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -772,8 +773,11 @@ class DiskCacheReport(msgspec.Struct, kw_only=True):
     hits: int = 0
     writes: int = 0
     removed: int = 0
-    #: Writes refused while the writer was behind (those prefixes stayed in memory only).
+    #: Write-throughs refused or withdrawn while the writer was behind (those prefixes stayed in memory,
+    #: to be written at their eviction), and evicted prefixes refused (lost).
     skipped: int = 0
+    #: Entries written as the memory tier evicted them (the writer had been behind at their insert).
+    evicted_writes: int = 0
 
 
 class EngineReport(msgspec.Struct, kw_only=True):

@@ -14,6 +14,10 @@ restarts and crashes, shared by every worker of the model and the next process.
   entries like any other), its token ids and identity in the file's metadata. It is written in
   the background, never on a decode step, to a temporary name and renamed into place: a crash
   mid-write leaves nothing that loads, and two workers writing the same prefix leave one entry.
+- What is written: every prefix the memory tier keeps, as it keeps it (so a crash loses little),
+  while the writer keeps up; past the write queue's bounds the newest is left in memory, and is
+  written when the memory tier evicts it (`put(evicted=True)`), ahead of waiting write-throughs,
+  which make room for it: a prefix leaves memory for the disk, not for nowhere.
 - The index is the directory listing (the length and digest are in the name): a lookup hashes the
   prompt's prefixes at the lengths the index holds, in one pass, and a miss reads the listing
   again at most every `RESCAN_S` (other workers' entries).
@@ -36,10 +40,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import threading
 import time
 from array import array
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +63,7 @@ RESCAN_S = 2.0
 #: Prefixes shorter than this are not written: prefilling them costs less than a file.
 MIN_TOKENS = 32
 #: Entries queued for writing at most, and their bytes at most (snapshots held outside the memory
-#: tier's cap): past either, a new write is refused (`put`).
+#: tier's cap): past either, a new write-through is refused (`put`; it is written at its eviction).
 MAX_QUEUED_WRITES = 8
 MAX_QUEUED_BYTES = 4 << 30
 #: At shutdown, queued writes get this long (s) to land: under the worker's MLXRT_SHUTDOWN_TIMEOUT_S.
@@ -82,6 +86,18 @@ class Entry:
     #: Written or loaded by this process: known whole. An entry found on disk is rewritten when this
     #: process keeps the same prefix (it may be a torn or foreign file).
     verified: bool = False
+
+
+@dataclass
+class _Write:
+    """A prefix waiting to be written: its ids, digest, snapshot, bytes, and whether the memory tier
+    had evicted it (then it goes ahead of write-throughs: `DiskTier._room`)."""
+
+    tokens: list[int]
+    digest: str
+    cache: list
+    nbytes: int
+    evicted: bool
 
 
 def model_identity(path: str, extra: dict[str, object]) -> str:
@@ -146,10 +162,17 @@ class DiskTier:
         self._entries: dict[str, Entry] = {}
         self._lock = threading.Lock()
         self._scanned = 0.0
-        self._queue: queue.Queue = queue.Queue()
-        self._queued: list[int] = []  # the bytes of each write still waiting, oldest first
-        #: Writes refused while the writer was behind (the queue's bounds): those prefixes stay in memory.
+        #: Writes waiting, oldest first, and how many are being written (0 or 1); `_lock` guards both.
+        self._waiting: deque[_Write] = deque()
+        self._writing = 0
+        self._writing_digest = ""
+        self._changed = threading.Condition(self._lock)
+        self._stop = False
+        #: Write-throughs refused or withdrawn while the writer was behind (the queue's bounds): those
+        #: prefixes stay in memory, and are written when it evicts them. Evicted prefixes refused too.
         self.skipped = 0
+        #: Prefixes written as the memory tier evicted them.
+        self.evicted_writes = 0
         self._thread: threading.Thread | None = None
         if not self.enabled:
             if max_bytes > 0:
@@ -256,10 +279,11 @@ class DiskTier:
         return None
 
     # -- writes (background) ---------------------------------------------------
-    def put(self, tokens: list[int], cache: list) -> None:
-        """Queue `cache` (holding exactly `tokens`) to be written. Called on the MLX thread, which takes
-        an evaluated, contiguous snapshot of its arrays, so the writer thread runs no MLX operation: it
-        only serializes memory. A failure here turns the tier off, never fails a request."""
+    def put(self, tokens: list[int], cache: list, *, evicted: bool = False) -> None:
+        """Queue `cache` (holding exactly `tokens`) to be written; `evicted`: the memory tier has just
+        dropped it, so the disk is its only home. Called on the MLX thread, which takes an evaluated,
+        contiguous snapshot of its arrays, so the writer thread runs no MLX operation: it only
+        serializes memory. A failure here turns the tier off, never fails a request."""
         if not self.enabled or len(tokens) < MIN_TOKENS:
             return
         try:
@@ -267,13 +291,13 @@ class DiskTier:
             size = sum(c.nbytes for c in cache)
             with self._lock:
                 known = self._entries.get(digest)
-                if known is not None and known.verified:
+                if (known is not None and known.verified) or digest == self._writing_digest:
                     return
-                if self._queued and (len(self._queued) >= MAX_QUEUED_WRITES
-                                     or sum(self._queued) + size > MAX_QUEUED_BYTES):
-                    # The writer is behind: the newest prefix is refused, before any copy is made. It is
-                    # the one the memory tier (least recently used out first) keeps longest; the older
-                    # ones queued ahead of it are those it evicts first.
+                waiting = next((w for w in self._waiting if w.digest == digest), None)
+                if waiting is not None:  # already queued: if evicted meanwhile, it may not be withdrawn
+                    waiting.evicted = waiting.evicted or evicted
+                    return
+                if not self._room(size, evicted):
                     self.skipped += 1
                     return
             snapshot = [type(c).from_state(tree_map(_contiguous, c.state)) for c in cache]
@@ -283,8 +307,27 @@ class DiskTier:
             self._off(f"cannot snapshot a cache to write: {type(exc).__name__}: {exc}")
             return
         with self._lock:
-            self._queued.append(nbytes)
-        self._queue.put((list(tokens), digest, snapshot, nbytes))
+            self._waiting.append(_Write(list(tokens), digest, snapshot, nbytes, evicted))
+            self._changed.notify_all()
+
+    def _room(self, size: int, evicted: bool) -> bool:
+        """Whether a write of `size` bytes may wait now. The writer is behind past the queue's bounds:
+        a write-through is refused (the newest is the one the memory tier keeps longest); an evicted
+        prefix withdraws waiting write-throughs, newest first, as those are still in memory. Lock held."""
+        def full() -> bool:
+            w = self._waiting
+            return bool(w) and (len(w) >= MAX_QUEUED_WRITES
+                                or sum(x.nbytes for x in w) + size > MAX_QUEUED_BYTES)
+
+        if not evicted or not full():
+            return not full()
+        for w in reversed(list(self._waiting)):
+            if not w.evicted:
+                self._waiting.remove(w)
+                self.skipped += 1
+                if not full():
+                    return True
+        return not full()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queued writes are on disk (tests, shutdown), at most `timeout` s (default
@@ -292,28 +335,38 @@ class DiskTier:
         if timeout is None:
             timeout = float(os.environ.get("MLXRT_DISK_CACHE_FLUSH_S") or DEFAULT_FLUSH_S)
         deadline = time.monotonic() + timeout
-        while self._thread is not None and self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        left = self._queue.unfinished_tasks if self._thread is not None else 0
+        with self._lock:
+            while self._thread is not None and self.pending and time.monotonic() < deadline:
+                self._changed.wait(max(0.0, deadline - time.monotonic()))
+            left = self.pending if self._thread is not None else 0
         if left:
             log.warning("disk_cache.flush_timeout", queued=left, timeout_s=timeout,
                         hint="queued prefixes were not written (set MLXRT_DISK_CACHE_FLUSH_S)")
         return not left
 
+    @property
+    def pending(self) -> int:
+        """Writes waiting or under way."""
+        return len(self._waiting) + self._writing
+
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
-            try:
-                if item is None:
+            with self._lock:
+                while not self._waiting and not self._stop:
+                    self._changed.wait()
+                if not self._waiting:
                     return
-                if self.enabled:
-                    self._write(*item[:3])
-                with self._lock:
-                    self._queued.pop(0)
+                w = self._waiting.popleft()
+                self._writing, self._writing_digest = 1, w.digest
+            try:
+                if self.enabled and self._write(w.tokens, w.digest, w.cache) and w.evicted:
+                    self.evicted_writes += 1
             finally:
-                self._queue.task_done()
+                with self._lock:
+                    self._writing, self._writing_digest = 0, ""
+                    self._changed.notify_all()
 
-    def _write(self, tokens: list[int], digest: str, cache: list) -> None:
+    def _write(self, tokens: list[int], digest: str, cache: list) -> bool:
         final = self.dir / f"{len(tokens)}-{digest}{SUFFIX}"
         tmp = self.dir / f".tmp-{os.getpid()}-{threading.get_ident()}-{digest}{SUFFIX}"
         try:
@@ -325,11 +378,12 @@ class DiskTier:
         except Exception as exc:  # a full disk, a directory taken away: off, serving goes on
             _unlink(tmp)
             self._off(f"cannot write {final}: {type(exc).__name__}: {exc}")
-            return
+            return False
         with self._lock:
             self._entries[digest] = Entry(len(tokens), digest, final, nbytes, time.time(), verified=True)
         self.writes += 1
         self._evict()
+        return True
 
     def _evict(self) -> None:
         """Remove least-recently-used entries until the tier fits its byte budget."""
@@ -394,6 +448,9 @@ class DiskTier:
         """Write what is queued, then stop the writer."""
         if self._thread is not None:
             self.flush()
-            self._queue.put(None)
+            with self._lock:
+                self._stop = True
+                self._waiting.clear()  # what the flush left: dropped, as the process is going
+                self._changed.notify_all()
             self._thread.join(timeout=5)
             self._thread = None

@@ -20,9 +20,12 @@ what the engine needs around it:
 Entries are deep copies: a reused cache is extended in place by the batch.
 
 Under it, optionally, a disk tier (`disk_cache.DiskTier`): every entry inserted
-is also written to disk in the background, and a prompt whose longest prefix
-on disk is longer than in memory loads it from there (where reading beats
-prefilling), so a prefix outlives eviction, an unload, a restart or a crash.
+is also written to disk in the background while the writer keeps up, an entry
+evicted before it was written is written then, and a prompt whose longest
+prefix on disk is longer than in memory loads it from there (where reading
+beats prefilling), so a prefix outlives eviction, an unload, a restart or a
+crash. `LRUPromptCache` has no eviction hook: its trie's `pop`, through which
+every eviction goes (`_EvictingTrie`), is the one place to hear of them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import LRUPromptCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
 from ..ipc.protocol import DiskCacheReport, EngineReport
 
@@ -42,6 +45,21 @@ if TYPE_CHECKING:
 _MODEL_KEY = "model"
 #: Entries kept at most, besides the byte cap: the trie walk grows with them.
 MAX_ENTRIES = 256
+
+
+class _EvictingTrie(PromptTrie):
+    """`LRUPromptCache`'s trie, telling `evicted(tokens, entry)` of each entry it pops: evictions (the
+    byte cap, the entry cap, `trim_to`) and nothing else (a prefix a longer trimmable entry supersedes
+    leaves through `pop_prefixes`: the longer one covers it)."""
+
+    def __init__(self, evicted: Callable[[list[int], object], None]) -> None:
+        super().__init__()
+        self._evicted = evicted
+
+    def pop(self, model, tokens):
+        entry = super().pop(model, tokens)
+        self._evicted(list(tokens), entry)
+        return entry
 
 
 class PrefixCache:
@@ -62,6 +80,8 @@ class PrefixCache:
         self.prefill_tps: float | None = None
         cap = max(max_bytes, 0) if total is None else 1 << 62  # a group evicts in `_evict`
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=cap)
+        if self.disk is not None:
+            self._lru._trie = _EvictingTrie(self._evicted)  # empty yet: see the module docstring
         self.hits = 0
         self.misses = 0
         self.cached_tokens = 0
@@ -120,6 +140,10 @@ class PrefixCache:
         self._lru.insert_cache(_MODEL_KEY, list(ids[: entry.tokens]), kept, cache_type="user")
         return loaded, entry.tokens
 
+    def _evicted(self, tokens: list[int], entry) -> None:
+        """The memory tier dropped `entry`: to disk, if it is not there yet (`DiskTier.put` knows)."""
+        self.disk.put(tokens, entry.prompt_cache, evicted=True)
+
     def note_prefill(self, tokens: int, tokens_per_s: float) -> None:
         """A request prefilled `tokens` at `tokens_per_s`: the rate a disk load is weighed against."""
         if tokens >= 64 and tokens_per_s > 0:
@@ -158,5 +182,5 @@ class PrefixCache:
             d = self.disk
             report.disk_cache = DiskCacheReport(nbytes=d.nbytes, cap_bytes=d.max_bytes, entries=len(d),
                                                 hits=d.hits, writes=d.writes, removed=d.removed,
-                                                skipped=d.skipped)
+                                                skipped=d.skipped, evicted_writes=d.evicted_writes)
         return report

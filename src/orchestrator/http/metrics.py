@@ -115,8 +115,12 @@ class _Caches:
             (CounterMetricFamily, "mlxrt_prompt_cache_disk_writes", "Entries each worker wrote to disk.",
              lambda m: m.disk_cache and m.disk_cache.writes),
             (CounterMetricFamily, "mlxrt_prompt_cache_disk_skipped",
-             "Writes refused while the disk writer was behind (those prefixes stayed in memory only).",
+             "Writes refused while the disk writer was behind (those prefixes stayed in memory, to be "
+             "written at their eviction).",
              lambda m: m.disk_cache and m.disk_cache.skipped),
+            (CounterMetricFamily, "mlxrt_prompt_cache_disk_evicted_writes",
+             "Prefixes written to disk as the memory tier evicted them.",
+             lambda m: m.disk_cache and m.disk_cache.evicted_writes),
             (CounterMetricFamily, "mlxrt_prompt_cache_disk_removed",
              "Disk entries each worker removed as corrupt, foreign or unreadable.",
              lambda m: m.disk_cache and m.disk_cache.removed),
