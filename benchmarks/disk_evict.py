@@ -27,6 +27,10 @@ from .e2e import make_prompt, model_tokenizer
 STUDY = "disk-evict"
 
 
+#: The disk tier's counters each run reports (DiskCacheReport).
+DISK_COUNTS = ("hits", "writes", "skipped", "evicted_writes")
+
+
 def one_arm(model: str, chats: list[list[dict[str, str]]], memory_bytes: int, cache_dir: str | None,
             tokens: int) -> list[dict[str, Any]]:
     """Every chat's first turn, then every chat's second, in one runtime; the second turns' figures."""
@@ -50,7 +54,7 @@ def one_arm(model: str, chats: list[list[dict[str, str]]], memory_bytes: int, ca
                         "prompt_tokens": s.prompt_tokens, "tokens": ids})
         disk = [m.disk_cache for m in rt.memory() if m.disk_cache]
         for row in out:  # the run's totals, on each row
-            row.update({f"disk_{k}": sum(getattr(d, k) for d in disk) for k in ("hits", "writes", "skipped", "evicted_writes")})
+            row.update({f"disk_{k}": sum(getattr(d, k) for d in disk) for k in DISK_COUNTS})
     return out
 
 
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.memory_bytes / 2**20:.0f} MiB, prompt {arms['disk'][0]['prompt_tokens']} tokens:")
     for name, f in figures.items():
         last = arms[name][-1]
-        disk = {k: last[f"disk_{k}"] for k in ("hits", "writes", "skipped", "evicted_writes")} if name == "disk" else ""
+        disk = {k: last[f"disk_{k}"] for k in DISK_COUNTS} if name == "disk" else ""
         print(f"  {name:<12} TTFT {f['ttft_ms']} ms, hit rate {f['hit_rate']:.2f} {disk}")
     doc = {"benchmark": STUDY, "env": runner.environment(), "args": vars(args), "figures": figures,
            "turns": {n: [{k: v for k, v in x.items() if k != "tokens"} for x in rows]
