@@ -7,7 +7,8 @@ figure is the pause: from the kill to the resumed stream's next token; each samp
 resumed reply equals the reference, and where it first differs if not. Without a spare it is the
 restart (backoff, process start, model load, warm-up) plus the prefill of prompt and reply so far;
 with one (``--spares 0,1`` measures both, interleaved A B A B) the spare takes the slot at once and
-prefills. The JSON document goes to
+prefills. Each sample also says where the pause went: until the killed process had exited (its pipes
+and ring report the death only then), and in the resuming worker. The JSON document goes to
 ``--json`` (benchmarks/runner.py); stdout ends with the figures, its path and a short summary line.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 from . import runner
@@ -24,6 +26,29 @@ from .gate import first_divergence
 from .measure import spread
 
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides through the winter storms."
+
+
+def watch_exit(pid: int, since: float, out: dict) -> threading.Thread:
+    """A thread that sets ``out["exit_s"]``: seconds from `since` (perf_counter) until `pid` has exited
+    (a zombie or gone, per /proc, polled each ms): the killed process's teardown, which its pipes and
+    ring only report at its end. Linux only; elsewhere the figure is left out."""
+    def poll() -> None:
+        stat = f"/proc/{pid}/stat"
+        while time.perf_counter() - since < 30:
+            try:
+                with open(stat) as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except OSError:
+                state = "gone"
+            if state in ("Z", "X", "gone"):
+                out["exit_s"] = time.perf_counter() - since
+                return
+            time.sleep(0.001)
+
+    t = threading.Thread(target=poll, daemon=True)
+    if os.path.exists(f"/proc/{pid}"):
+        t.start()
+    return t
 
 
 def one_sample(model: str, transport: str, spares: int, tokens: int, after: int) -> dict:
@@ -50,13 +75,17 @@ def one_sample(model: str, transport: str, spares: int, tokens: int, after: int)
             if i + 1 == after:
                 killed_at = time.perf_counter()
                 os.kill(active.pid, signal.SIGKILL)
+                exited = watch_exit(active.pid, killed_at, teardown := {})
         w = rt.workers[0]
         assert stream.stats.resumes == 1 and w.resumes == 1
         assert not standby or w.pid == standby[0].pid, "the spare did not take over"
         st = stream.stats  # the resumed worker's: from its receipt of the request
+        if exited.is_alive() or exited.ident is not None:
+            exited.join(30)
         return {"pause_s": resumed_at - killed_at, "token_gap_s": sorted(gaps)[len(gaps) // 2],
                 "worker_queue_ms": st.queue_ms, "worker_ttft_ms": st.ttft_ms,
                 "worker_prefill_ms": st.prefill_ms,
+                "killed_exit_ms": teardown.get("exit_s", float("nan")) * 1e3,
                 "whole_s": whole_s, "spares": spares, "transport": rt.transport, "tokens": len(got),
                 "prompt_tokens": whole.stats.prompt_tokens, "identical": got == whole.tokens,
                 "first_difference": first_divergence(got, whole.tokens)}
@@ -81,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.spares:  # interleaved, so drift on a shared machine hits both alike
             one = one_sample(args.model, args.transport, n, args.tokens, args.after)
             samples[n].append(one)
-            print(f"sample {i + 1}/{args.samples}, spares={n}: pause {one['pause_s'] * 1e3:.0f} ms, of it in "
-                  f"the resuming worker: queued {one['worker_queue_ms']:.0f} ms, then to its first token "
+            print(f"sample {i + 1}/{args.samples}, spares={n}: pause {one['pause_s'] * 1e3:.0f} ms; the "
+                  f"killed process exited after {one['killed_exit_ms']:.0f} ms; in the resuming worker: "
+                  f"queued {one['worker_queue_ms']:.0f} ms, then to its first token "
                   f"{one['worker_ttft_ms']:.0f} ms (prefill {one['worker_prefill_ms']:.0f} ms)",
                   file=sys.stderr)
     results = {}
