@@ -366,10 +366,9 @@ def test_the_3b_preset_quantizes_the_language_model_only():
     embedding of the language model 4-bit group 64, the vision tower and merger left bfloat16."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlxrt.synthetic.presets import get_preset
-    from mlxrt.synthetic.vision import build_vision
+    from mlxrt.synthetic.build import build_model
 
-    model, config = build_vision(get_preset("qwen2.5-vl-3b-4bit"), seed=0)  # lazy: nothing is drawn
+    model, config = build_model("qwen2.5-vl-3b-4bit")  # lazy: nothing is drawn
     quantizable = (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding)
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, quantizable)]
     language = [m for name, m in modules if name.startswith("language_model.")]
