@@ -444,16 +444,11 @@ def test_building_a_model_leaves_its_preset_as_it_was():
     nested config dicts in place): its marker stays, so a made model is never made again."""
     import copy
 
-    from mlxrt.synthetic.build import _build
+    from mlxrt.synthetic.build import _build_any
     from mlxrt.synthetic.presets import PRESETS
 
     for name in [p for p in PRESETS if p.startswith("tiny")]:
         spec = PRESETS[name]
         before = copy.deepcopy(spec)
-        if spec.vision is not None:  # mlx-vlm's classes (the vision extra)
-            from mlxrt.synthetic.vision import build_vision
-
-            build_vision(spec, 0)
-        else:
-            _build(spec, 0)
+        _build_any(spec, 0)  # mlx-vlm's classes for a vision preset (the vision extra)
         assert spec == before, name

@@ -335,6 +335,53 @@ def test_headers_give_format_and_size():
     assert sniff(b"BM" + b"\0" * 40) is None  # BMP is not taken
 
 
+# ---- the real-shape GPU preset, checked without drawing a weight -------------------------------------
+
+
+def test_the_3b_preset_has_qwen2_5_vl_3b_parameter_count():
+    """The GPU vision preset has Qwen2.5-VL-3B-Instruct's 3,754,622,976 parameters (language model
+    3,085,938,688, vision tower 668,684,288), counted from the published shapes; no weight is computed."""
+    from mlx.utils import tree_flatten
+    from mlxrt.synthetic.presets import get_preset
+    from mlxrt.synthetic.vision import vision_model
+
+    model, _ = vision_model(get_preset("qwen2.5-vl-3b-4bit"))  # lazy: never evaluated
+    sizes = [(name, p.size) for name, p in tree_flatten(model.parameters())]
+    # Language model: tied embedding; q, k, v with biases (2 KV heads of 128); SwiGLU; 2 norms a layer.
+    h, layers, kv, inter, vocab = 2048, 36, 2 * 128, 11008, 151936
+    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * inter + 2 * h
+    language = vocab * h + layers * layer + h
+    # Vision tower: a 3-D patch conv (3 channels, 2 frames, 14x14); blocks of fused qkv with bias,
+    # projection, SwiGLU with biases, 2 RMSNorms; a merger of 2x2 patches (RMSNorm, 5120 -> 5120 -> 2048).
+    c, depth, vinter, merged, out = 1280, 32, 3420, 4 * 1280, 2048
+    block = (c * 3 * c + 3 * c) + (c * c + c) + 2 * (c * vinter + vinter) + (vinter * c + c) + 2 * c
+    vision = c * 3 * 2 * 14 * 14 + depth * block + c + (merged * merged + merged) + (merged * out + out)
+    assert sum(n for name, n in sizes if name.startswith("language_model.")) == language == 3_085_938_688
+    assert sum(n for name, n in sizes if name.startswith("vision_tower.")) == vision == 668_684_288
+    assert sum(n for _, n in sizes) == 3_754_622_976
+
+
+def test_the_3b_preset_quantizes_the_language_model_only():
+    """The 4-bit GPU preset is quantized as mlx-vlm's convert -q does it: every linear layer and the
+    embedding of the language model 4-bit group 64, the vision tower and merger left bfloat16."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlxrt.synthetic.build import build_model
+
+    model, config = build_model("qwen2.5-vl-3b-4bit")  # lazy: nothing is drawn
+    quantizable = (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding)
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, quantizable)]
+    language = [m for name, m in modules if name.startswith("language_model.")]
+    vision = [m for name, m in modules if name.startswith("vision_tower.")]
+    assert len(language) == 36 * 7 + 1 and len(vision) == 32 * 5 + 2  # the tied head is the embedding
+    assert all(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in language)
+    assert all(m.bits == 4 and m.group_size == 64 for m in language)
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in vision)
+    assert all(m.weight.dtype == mx.bfloat16 for m in vision)
+    # One entry for the whole model, so mlx-vlm's load quantizes exactly the layers stored with scales.
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
 # ---- every API through a real `mlxrt serve` -----------------------------------------------------
 
 

@@ -101,12 +101,13 @@ def ensure_synthetic(ref: SyntheticRef) -> Path:
 
 
 def build_model(preset: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
-    """The mlx-lm model `make_model` would write for (preset, seed), unevaluated, and its config.
+    """The model `make_model` would write for (preset, seed), unevaluated, and its config: mlx-lm's
+    classes, or mlx-vlm's for a vision preset.
 
     Costs no memory until its parameters are evaluated, so real shapes can be
     checked on a small machine.
     """
-    return _build(get_preset(preset), seed)
+    return _build_any(get_preset(preset), seed)
 
 
 def make_model(preset: str, out: str | os.PathLike[str], *, seed: int = 0, force: bool = False,
@@ -212,17 +213,13 @@ def _write_model(out: Path, spec: Preset, seed: int) -> int:
     tok = _tokenizer_json(spec.bpe_vocab, spec.vocab_size, fam.specials, fam.text_tags, fam.bos, eos)
     (out / "tokenizer.json").write_text(tok, encoding="utf-8")
     _write_json(out / "tokenizer_config.json", _tokenizer_config(spec))
-    if spec.vision is not None:  # a vision-language model: mlx-vlm's classes, and its image processor
-        from .vision import build_vision
-
-        model, config = build_vision(spec, seed)
+    model, config = _build_any(spec, seed)
+    if spec.vision is not None:  # a vision-language model: its image processor
         _write_json(out / "preprocessor_config.json", spec.image_processor)
         tokens = _text_shape(spec).get("mm_tokens_per_image")
         if tokens is not None:  # Gemma 3: the processor's soft tokens an image (else 256)
             kind = spec.image_processor["processor_class"]
             _write_json(out / "processor_config.json", {"image_seq_length": tokens, "processor_class": kind})
-    else:
-        model, config = _build(spec, seed)
     nbytes = _write_weights(out, model, strip="model." if spec.embedding else "")
     # mirrors "quantization" into "quantization_config"
     save_config(config, out / "config.json", keep_vision_config=spec.vision is not None)
@@ -354,6 +351,15 @@ def _text_shape(spec: Preset) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- weights
+
+
+def _build_any(spec: Preset, seed: int) -> tuple[nn.Module, dict[str, Any]]:
+    """`_build`, or `vision.build_vision` (mlx-vlm's classes) for a vision preset."""
+    if spec.vision is not None:
+        from .vision import build_vision
+
+        return build_vision(spec, seed)
+    return _build(spec, seed)
 
 
 def _build(spec: Preset, seed: int) -> tuple[nn.Module, dict[str, Any]]:

@@ -223,6 +223,15 @@ QWEN2_5_VL_TINY_VISION = {
     "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2,
 }
 
+#: Qwen/Qwen2.5-VL-3B-Instruct's "vision_config" ("in_chans" named as mlx-vlm reads it, "in_channels"); its
+#: merger projects to the language model's 2048.
+QWEN2_5_VL_3B_VISION = {
+    "model_type": "qwen2_5_vl", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+    "out_hidden_size": 2048, "num_heads": 16, "in_channels": 3, "patch_size": 14, "spatial_patch_size": 14,
+    "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+}
+
 
 def qwen_vl_image_processor(*, max_tokens: int, min_tokens: int = 4) -> dict[str, Any]:
     """Qwen2-VL's preprocessor_config.json: 14-pixel patches merged 2x2, so one image token is 28x28
@@ -320,6 +329,15 @@ PRESETS: dict[str, Preset] = {
               num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=64,
               sliding_window_pattern=2, mm_tokens_per_image=4),
         vision=GEMMA3_TINY_VISION, image_processor=gemma3_image_processor(side=56)),
+    # Qwen/Qwen2.5-VL-3B-Instruct config.json and preprocessor_config.json, written as mlx-vlm's convert -q
+    # writes mlx-community's 4-bit conversion: the language model 4-bit group 64, the vision tower bfloat16.
+    "qwen2.5-vl-3b-4bit": dataclasses.replace(
+        _real("qwen2_5_vl", "Qwen/Qwen2.5-VL-3B-Instruct config.json", 151936,
+              "Qwen2.5-VL-3B shape, 4-bit language model, bfloat16 vision tower: the GPU vision benchmark",
+              hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
+              num_key_value_heads=2, max_position_embeddings=128000, tie_word_embeddings=True,
+              rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision=QWEN2_5_VL_3B_VISION, image_processor=qwen_vl_image_processor(max_tokens=16384)),
     "tiny-gpt-oss": _tiny("gpt_oss", "tests: gpt-oss MoE with sinks and sliding windows",
                           num_hidden_layers=4, intermediate_size=64, head_dim=16, num_local_experts=8,
                           num_experts_per_tok=2, sliding_window=32, tie_word_embeddings=False,
