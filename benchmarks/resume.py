@@ -73,7 +73,7 @@ def one_sample(model: str, transport: str, spares: int, tokens: int, after: int)
             last = now
             got += chunk.tokens
             if i + 1 == after:
-                killed_at = time.perf_counter()
+                killed_at, killed_wall = time.perf_counter(), time.time()
                 os.kill(active.pid, signal.SIGKILL)
                 exited = watch_exit(active.pid, killed_at, teardown := {})
         w = rt.workers[0]
@@ -85,7 +85,7 @@ def one_sample(model: str, transport: str, spares: int, tokens: int, after: int)
         return {"pause_s": resumed_at - killed_at, "token_gap_s": sorted(gaps)[len(gaps) // 2],
                 "worker_queue_ms": st.queue_ms, "worker_ttft_ms": st.ttft_ms,
                 "worker_prefill_ms": st.prefill_ms,
-                "killed_exit_ms": teardown.get("exit_s", float("nan")) * 1e3,
+                "killed_exit_ms": teardown.get("exit_s", float("nan")) * 1e3, "killed_at_unix": killed_wall,
                 "whole_s": whole_s, "spares": spares, "transport": rt.transport, "tokens": len(got),
                 "prompt_tokens": whole.stats.prompt_tokens, "identical": got == whole.tokens,
                 "first_difference": first_divergence(got, whole.tokens)}
