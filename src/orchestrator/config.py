@@ -68,8 +68,6 @@ DEFAULT_BACKOFF_INITIAL_S = 0.5
 DEFAULT_BACKOFF_MAX_S = 30.0
 DEFAULT_MAX_CRASHES = 5
 DEFAULT_MAX_RESUMES = 2
-#: A spare that took a dead worker's place is followed by a new one this many seconds later.
-DEFAULT_SPARE_DELAY_S = 0.0
 DEFAULT_CRASH_WINDOW_S = 60.0
 DEFAULT_MONITOR_INTERVAL_S = 1.0
 
@@ -102,8 +100,6 @@ class Supervision:
     crash_window_s: float = DEFAULT_CRASH_WINDOW_S
     #: How many times one request goes on after its worker died (`Slot`); the next death fails it.
     max_resumes: int = DEFAULT_MAX_RESUMES
-    #: Seconds between a spare taking a dead worker's place and the next spare starting to load.
-    spare_delay_s: float = DEFAULT_SPARE_DELAY_S
     keep_alive_s: float | None = None
     monitor_interval_s: float = DEFAULT_MONITOR_INTERVAL_S
     #: Clear workers' MLX caches under "warning" memory pressure.
@@ -121,7 +117,6 @@ class Supervision:
             max_crashes=int(_env_float("MLXRT_MAX_CRASHES", DEFAULT_MAX_CRASHES)),
             crash_window_s=_env_float("MLXRT_CRASH_WINDOW_S", DEFAULT_CRASH_WINDOW_S),
             max_resumes=_env_int("MLXRT_MAX_RESUMES", DEFAULT_MAX_RESUMES),
-            spare_delay_s=_env_float("MLXRT_SPARE_DELAY_S", DEFAULT_SPARE_DELAY_S),
             keep_alive_s=_env_opt_float("MLXRT_KEEP_ALIVE_S"),
             monitor_interval_s=_env_float("MLXRT_MONITOR_INTERVAL_S", DEFAULT_MONITOR_INTERVAL_S),
         )

@@ -347,7 +347,7 @@ class Slot:
             if h is None or self._closing or not h.adopt(on_exit):
                 return None
             self.handle = None
-            self._ensure_starting(self._policy.spare_delay_s)
+            self._ensure_starting(0.0)
         log.info("slot.spare_handed_over", slot=self.name, model=self.model_name, pid=h.pid)
         return h
 
