@@ -30,6 +30,8 @@ from importlib import metadata
 from mlxrt import Runtime
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.worker.engine import resolve_model_path
+from mlxrt.worker.limits import on_cuda
+from mlxrt.worker.vision import float32_tower
 
 from . import runner
 
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     path = resolve_model_path(a.model)
     model, processor = load(path)
+    if on_cuda():  # as a CUDA worker runs it (`float32_tower`): in bfloat16 MLX's CUDA build crashed
+        float32_tower(model)
     rt = Runtime(model=path, transport=a.transport)
     off = Runtime(model=path, transport=a.transport, engine=EngineOptions(prompt_cache_bytes=0))
     names = ("native", "mlxrt-cold", "mlxrt-repeat", "mlxrt-next-turn", "mlxrt-next-turn-off",

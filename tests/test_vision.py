@@ -382,6 +382,22 @@ def test_the_3b_preset_quantizes_the_language_model_only():
     assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
 
 
+def test_a_cuda_worker_puts_the_3b_vision_tower_in_float32_only():
+    """What a CUDA worker does to a vision model (`float32_tower`, the SIGFPE workaround): the vision
+    tower becomes float32 and the 4-bit language model keeps its bfloat16 scales; nothing is drawn."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlxrt.synthetic.build import build_model
+    from mlxrt.worker.vision import float32_tower
+
+    model, _ = build_model("qwen2.5-vl-3b-4bit")
+    float32_tower(model)
+    dtypes = {name: p.dtype for name, p in tree_flatten(model.parameters())}
+    tower = {d for name, d in dtypes.items() if name.startswith("vision_tower.")}
+    language = {d for name, d in dtypes.items() if name.startswith("language_model.") and d != mx.uint32}
+    assert tower == {mx.float32} and language == {mx.bfloat16}
+
+
 # ---- every API through a real `mlxrt serve` -----------------------------------------------------
 
 

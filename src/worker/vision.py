@@ -46,7 +46,7 @@ from ..ipc.protocol import (
     SamplingParams,
     Stats,
 )
-from .limits import auto_prompt_cache_bytes
+from .limits import auto_prompt_cache_bytes, on_cuda
 from .prompt import (
     DEFAULT_CONTEXT_LENGTH,
     PromptTooLongError,
@@ -215,6 +215,16 @@ class _Run:
         )
 
 
+def float32_tower(model) -> None:
+    """Put the model's vision tower in float32 (the language model keeps its dtype). MLX's CUDA build
+    (0.32.4, an H200) kills the process with SIGFPE evaluating Qwen2.5-VL-3B's vision tower in bfloat16,
+    in mlx-vlm's own generate too; in float32 the same image runs. The tower is a small part of the
+    model (0.67 B of Qwen2.5-VL-3B's 3.75 B), so this costs little memory."""
+    tower = getattr(model, "vision_tower", None)
+    if tower is not None:
+        tower.set_dtype(mx.float32)
+
+
 class VisionEngine:
     """One mlx-vlm model serving requests one at a time; every method runs on one thread."""
 
@@ -232,6 +242,8 @@ class VisionEngine:
             raise ValueError(f"{', '.join(unsupported)}: not supported for a vision model (mlx-vlm)")
         self.path = model
         self.model, self.processor = load(model)
+        if on_cuda():
+            float32_tower(self.model)
         config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
         # mlx-lm's view of the same tokenizer files: the chat template, the streaming detokenizer, and
         # the thinking and tool-call markup its reply parsers read (the processor tokenizes the prompt).
