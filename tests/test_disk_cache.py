@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -214,7 +215,6 @@ def test_a_burst_of_writes_past_the_queue_flushes_promptly(tmp_path):
     for i in range(4 * MAX_QUEUED_WRITES):
         tier.put([i] * 40, kv_cache(40))
     assert tier.flush(timeout=60)
-    assert tier.pending == 0
     assert 1 <= tier.writes <= 4 * MAX_QUEUED_WRITES and len(entries(tmp_path)) == tier.writes
     assert tier.writes + tier.skipped == 4 * MAX_QUEUED_WRITES
     tier.close()
@@ -296,8 +296,6 @@ class PausedWriter:
     """Holds `tier`'s writer inside its next write until `release()`: the writer is "behind"."""
 
     def __init__(self, tier) -> None:
-        import threading
-
         self.tier, self.gate, self.inside = tier, threading.Event(), threading.Event()
         write = tier._write
 
@@ -335,15 +333,14 @@ def test_a_prefix_the_writer_was_behind_for_is_written_when_memory_evicts_it(tmp
     assert tier.writes == 2 and tier.evicted_writes == 0 and len(entries(tmp_path)) == 2
     memory.insert(d, kv_cache(64))  # evicts b, on disk already
     assert tier.flush(timeout=60)
-    memory.insert(e, kv_cache(64))  # evicts c: to disk now, ahead of e's write-through (refused)
+    memory.insert(e, kv_cache(64))  # evicts c: to disk now
     assert tier.flush(timeout=60)
-    assert tier.evicted_writes == 1 and tier.writes == 4 and tier.skipped == 2
+    assert tier.evicted_writes == 1 and tier.lost == 0
     tier.close()
     later = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
     for ids in (a, b, c, d):
         found = later.find([*ids, 9], 0)
         assert found is not None and later.load(found, [*ids, 9]) is not None
-    assert later.find([*e, 9], 0) is None  # in memory only, until it is evicted
     later.close()
 
 
@@ -363,7 +360,65 @@ def test_an_evicted_prefix_goes_ahead_of_a_waiting_write_through(tmp_path, monke
     tier.put([4] * 40, kv_cache(40))  # refused: an evicted prefix waits
     paused.release()
     assert tier.flush(timeout=60)
-    assert (tier.writes, tier.evicted_writes, tier.skipped) == (2, 1, 2)
+    assert (tier.writes, tier.evicted_writes, tier.skipped, tier.lost) == (2, 1, 2, 0)
     found = [n for n in (1, 2, 3, 4) if tier.find([n] * 40 + [9], 0) is not None]
     assert found == [1, 3]
     tier.close()
+
+
+def test_a_superseded_checkpoint_the_writer_was_behind_for_reaches_the_disk(tmp_path, monkeypatch):
+    """A system prompt's checkpoint whose write-through was refused, then superseded in memory by the
+    whole prompt's entry (a trimmable cache keeps only the longer one), is written as it leaves memory:
+    a new chat under the same system prompt finds it on disk."""
+    from mlxrt.worker import disk_cache
+    from mlxrt.worker.disk_cache import DiskTier
+    from mlxrt.worker.prefix_cache import PrefixCache
+
+    monkeypatch.setattr(disk_cache, "MAX_QUEUED_WRITES", 1)
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    memory = PrefixCache(1 << 30, disk=tier)
+    system, chat = [7] * 40, [7] * 40 + [8] * 24
+    paused = PausedWriter(tier)
+    memory.insert([1] * 40, kv_cache(40))  # another prefix, being written
+    assert paused.inside.wait(30)
+    memory.insert([2] * 40, kv_cache(40))  # waits: the queue is full
+    memory.insert(system, kv_cache(40), "system")  # refused
+    memory.insert(chat, kv_cache(64))  # supersedes the checkpoint in memory: it goes to disk
+    paused.release()
+    assert tier.flush(timeout=60)
+    assert tier.evicted_writes == 1 and len(memory) == 3
+    assert tier.find([*system, 9, 9], 0) is not None
+    tier.close()
+
+
+def test_a_stopping_engine_writes_what_the_disk_lacks_but_memory_pressure_does_not(tmp_path):
+    """Prefixes in memory only (refused while the writer was behind) are written when the engine stops
+    (an unload, a shutdown); a clear under memory pressure drops them without a copy to write."""
+    from mlxrt.worker.disk_cache import DiskTier
+    from mlxrt.worker.prefix_cache import PrefixCache
+
+    for stop in ("close", "clear"):
+        root = tmp_path / stop
+        tier = DiskTier(str(root), "id", 1 << 30, kinds=["KVCache"])
+        memory = PrefixCache(1 << 30, disk=tier)
+        paused = PausedWriter(tier)
+        memory.insert([1] * 40, kv_cache(40))
+        assert paused.inside.wait(30)
+        for i in range(2, 3 + disk_cache_bound()):  # fill the queue, then one more: refused
+            memory.insert([i] * 40, kv_cache(40))
+        assert tier.skipped == 1
+        if stop == "close":  # the writer catches up while the spill waits for room
+            threading.Timer(0.2, paused.release).start()
+            memory.spill(60)
+        else:
+            memory.clear()
+            paused.release()
+        tier.close()
+        n = disk_cache_bound() + 2  # the one being written, those waiting, the refused one
+        assert len(entries(root)) == (n if stop == "close" else n - 1), stop
+
+
+def disk_cache_bound() -> int:
+    from mlxrt.worker.disk_cache import MAX_QUEUED_WRITES
+
+    return MAX_QUEUED_WRITES

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-#: 11: DiskCacheReport.evicted_writes (the memory tier's evictions written to disk).
+#: 11: DiskCacheReport.evicted_writes and lost (prefixes written, or not, as they left memory).
 #: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
 #: EngineReport.prefill_calls and prefill_batched.
 #: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
@@ -774,10 +774,12 @@ class DiskCacheReport(msgspec.Struct, kw_only=True):
     writes: int = 0
     removed: int = 0
     #: Write-throughs refused or withdrawn while the writer was behind (those prefixes stayed in memory,
-    #: to be written at their eviction), and evicted prefixes refused (lost).
+    #: to be written when they leave it).
     skipped: int = 0
-    #: Entries written as the memory tier evicted them (the writer had been behind at their insert).
+    #: Entries written as they left the memory tier (the writer had been behind at their insert).
     evicted_writes: int = 0
+    #: Prefixes that left memory while the write queue was full of others that had: on neither tier.
+    lost: int = 0
 
 
 class EngineReport(msgspec.Struct, kw_only=True):

@@ -16,8 +16,10 @@ restarts and crashes, shared by every worker of the model and the next process.
   mid-write leaves nothing that loads, and two workers writing the same prefix leave one entry.
 - What is written: every prefix the memory tier keeps, as it keeps it (so a crash loses little),
   while the writer keeps up; past the write queue's bounds the newest is left in memory, and is
-  written when the memory tier evicts it (`put(evicted=True)`), ahead of waiting write-throughs,
-  which make room for it: a prefix leaves memory for the disk, not for nowhere.
+  written when it leaves memory (`put(evicted=True)`: evicted, superseded by a longer entry, or the
+  worker stopping), ahead of waiting write-throughs, which make room for it. Lost are only prefixes
+  evicted while the queue is full of other evicted ones (`lost`), and those dropped under memory
+  pressure (`PrefixCache.clear`), which a copy to write would not relieve.
 - The index is the directory listing (the length and digest are in the name): a lookup hashes the
   prompt's prefixes at the lengths the index holds, in one pass, and a miss reads the listing
   again at most every `RESCAN_S` (other workers' entries).
@@ -116,6 +118,11 @@ def model_identity(path: str, extra: dict[str, object]) -> str:
     return h.hexdigest()[:32]
 
 
+def flush_timeout() -> float:
+    """How long a stopping worker gives its writes to land, s: MLXRT_DISK_CACHE_FLUSH_S, else 5."""
+    return float(os.environ.get("MLXRT_DISK_CACHE_FLUSH_S") or DEFAULT_FLUSH_S)
+
+
 def _contiguous(x: object) -> object:
     return mx.contiguous(x) if isinstance(x, mx.array) else x
 
@@ -169,8 +176,10 @@ class DiskTier:
         self._changed = threading.Condition(self._lock)
         self._stop = False
         #: Write-throughs refused or withdrawn while the writer was behind (the queue's bounds): those
-        #: prefixes stay in memory, and are written when it evicts them. Evicted prefixes refused too.
+        #: prefixes stay in memory, and are written when it evicts them.
         self.skipped = 0
+        #: Evicted prefixes refused, the queue being full of other evicted ones: gone from both tiers.
+        self.lost = 0
         #: Prefixes written as the memory tier evicted them.
         self.evicted_writes = 0
         self._thread: threading.Thread | None = None
@@ -279,11 +288,12 @@ class DiskTier:
         return None
 
     # -- writes (background) ---------------------------------------------------
-    def put(self, tokens: list[int], cache: list, *, evicted: bool = False) -> None:
+    def put(self, tokens: list[int], cache: list, *, evicted: bool = False, wait_until: float = 0.0) -> None:
         """Queue `cache` (holding exactly `tokens`) to be written; `evicted`: the memory tier has just
         dropped it, so the disk is its only home. Called on the MLX thread, which takes an evaluated,
         contiguous snapshot of its arrays, so the writer thread runs no MLX operation: it only
-        serializes memory. A failure here turns the tier off, never fails a request."""
+        serializes memory. With no room, waits for some until `wait_until` (monotonic s; a worker
+        stopping), else refuses. A failure here turns the tier off, never fails a request."""
         if not self.enabled or len(tokens) < MIN_TOKENS:
             return
         try:
@@ -297,8 +307,13 @@ class DiskTier:
                 if waiting is not None:  # already queued: if evicted meanwhile, it may not be withdrawn
                     waiting.evicted = waiting.evicted or evicted
                     return
+                while not self._room(size, evicted) and time.monotonic() < wait_until:
+                    self._changed.wait(wait_until - time.monotonic())
                 if not self._room(size, evicted):
-                    self.skipped += 1
+                    if evicted:
+                        self.lost += 1
+                    else:
+                        self.skipped += 1
                     return
             snapshot = [type(c).from_state(tree_map(_contiguous, c.state)) for c in cache]
             mx.eval([c.state for c in snapshot])
@@ -311,42 +326,44 @@ class DiskTier:
             self._changed.notify_all()
 
     def _room(self, size: int, evicted: bool) -> bool:
-        """Whether a write of `size` bytes may wait now. The writer is behind past the queue's bounds:
-        a write-through is refused (the newest is the one the memory tier keeps longest); an evicted
-        prefix withdraws waiting write-throughs, newest first, as those are still in memory. Lock held."""
-        def full() -> bool:
-            w = self._waiting
-            return bool(w) and (len(w) >= MAX_QUEUED_WRITES
-                                or sum(x.nbytes for x in w) + size > MAX_QUEUED_BYTES)
+        """Whether a write of `size` bytes may wait now. Past the queue's bounds (the writer is behind) a
+        write-through is refused: the newest is the prefix the memory tier keeps longest. An evicted
+        prefix withdraws waiting write-throughs, newest first, as few as make room (they are still in
+        memory, to be written at their own eviction), and none where all of them would not. Lock held;
+        `put` runs on the MLX thread alone, so the room found is there when its write is queued."""
+        def fits(waiting: list[_Write]) -> bool:
+            return not waiting or (len(waiting) < MAX_QUEUED_WRITES
+                                   and sum(w.nbytes for w in waiting) + size <= MAX_QUEUED_BYTES)
 
-        if not evicted or not full():
-            return not full()
+        if fits(list(self._waiting)):
+            return True
+        if not evicted or not fits([w for w in self._waiting if w.evicted]):
+            return False
         for w in reversed(list(self._waiting)):
             if not w.evicted:
                 self._waiting.remove(w)
                 self.skipped += 1
-                if not full():
-                    return True
-        return not full()
+                if fits(list(self._waiting)):
+                    break
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queued writes are on disk (tests, shutdown), at most `timeout` s (default
         MLXRT_DISK_CACHE_FLUSH_S, else 5); False, with a warning naming the knob, if they did not land."""
         if timeout is None:
-            timeout = float(os.environ.get("MLXRT_DISK_CACHE_FLUSH_S") or DEFAULT_FLUSH_S)
+            timeout = flush_timeout()
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._thread is not None and self.pending and time.monotonic() < deadline:
+            while self._thread is not None and self._pending() and time.monotonic() < deadline:
                 self._changed.wait(max(0.0, deadline - time.monotonic()))
-            left = self.pending if self._thread is not None else 0
+            left = self._pending() if self._thread is not None else 0
         if left:
             log.warning("disk_cache.flush_timeout", queued=left, timeout_s=timeout,
                         hint="queued prefixes were not written (set MLXRT_DISK_CACHE_FLUSH_S)")
         return not left
 
-    @property
-    def pending(self) -> int:
-        """Writes waiting or under way."""
+    def _pending(self) -> int:
+        """Writes waiting or under way. Lock held."""
         return len(self._waiting) + self._writing
 
     def _write_loop(self) -> None:
@@ -444,10 +461,10 @@ class DiskTier:
             log.warning("disk_cache.off", reason=why, hint="serving goes on from memory")
         self.enabled = False
 
-    def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is queued (at most `timeout` s, as `flush`), then stop the writer."""
         if self._thread is not None:
-            self.flush()
+            self.flush(timeout)
             with self._lock:
                 self._stop = True
                 self._waiting.clear()  # what the flush left: dropped, as the process is going

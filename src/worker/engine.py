@@ -80,7 +80,7 @@ from ..ipc.protocol import (
     Stats,
 )
 from .choices import ChoiceGroup
-from .disk_cache import DiskTier, model_identity
+from .disk_cache import DiskTier, flush_timeout, model_identity
 from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
@@ -304,9 +304,12 @@ class Engine(PromptBuilder, PrefillScheduler):
             self.cancel(seq.req.id)
 
     def close(self) -> None:
-        """The worker is stopping: write what the disk tier has queued (at most its flush timeout)."""
-        if self._disk is not None:
-            self._disk.close()
+        """The worker is stopping: queue the prefixes not on disk yet, and write what the disk tier has
+        queued (at most its flush timeout)."""
+        if self._disk is not None:  # both within one MLXRT_DISK_CACHE_FLUSH_S
+            deadline = time.monotonic() + flush_timeout()
+            self.prefix_cache.spill(flush_timeout())
+            self._disk.close(max(0.0, deadline - time.monotonic()))
 
     def step(self) -> None:
         """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,

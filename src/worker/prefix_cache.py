@@ -21,16 +21,18 @@ Entries are deep copies: a reused cache is extended in place by the batch.
 
 Under it, optionally, a disk tier (`disk_cache.DiskTier`): every entry inserted
 is also written to disk in the background while the writer keeps up, an entry
-evicted before it was written is written then, and a prompt whose longest
-prefix on disk is longer than in memory loads it from there (where reading
-beats prefilling), so a prefix outlives eviction, an unload, a restart or a
-crash. `LRUPromptCache` has no eviction hook: its trie's `pop`, through which
-every eviction goes (`_EvictingTrie`), is the one place to hear of them.
+that leaves memory before it was written is written then, and a prompt whose
+longest prefix on disk is longer than in memory loads it from there (where
+reading beats prefilling), so a prefix outlives eviction, an unload, a restart
+or a crash (what is lost: disk_cache.py). `LRUPromptCache` has no eviction
+hook: its trie's `pop` and `pop_prefixes`, through which every entry leaves
+(`_EvictingTrie`), are the one place to hear of them.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,18 +50,29 @@ MAX_ENTRIES = 256
 
 
 class _EvictingTrie(PromptTrie):
-    """`LRUPromptCache`'s trie, telling `evicted(tokens, entry)` of each entry it pops: evictions (the
-    byte cap, the entry cap, `trim_to`) and nothing else (a prefix a longer trimmable entry supersedes
-    leaves through `pop_prefixes`: the longer one covers it)."""
+    """`LRUPromptCache`'s trie, telling `evicted(tokens, entry)` of each entry that leaves memory:
+    evictions (the byte cap, the entry cap, `trim_to`, through `pop`) and prefixes a longer trimmable
+    entry supersedes (`pop_prefixes`: in memory the longer one serves them trimmed, but a disk entry
+    serves only prompts it begins, so a system prompt's checkpoint must reach the disk itself).
+    While `muted` (a `clear` under memory pressure) it tells nothing: a copy to write is no relief."""
 
     def __init__(self, evicted: Callable[[list[int], object], None]) -> None:
         super().__init__()
         self._evicted = evicted
+        self.muted = False
 
-    def pop(self, model, tokens):
+    def pop(self, model: object, tokens: list[int]) -> object:
         entry = super().pop(model, tokens)
-        self._evicted(list(tokens), entry)
+        if not self.muted:
+            self._evicted(list(tokens), entry)
         return entry
+
+    def pop_prefixes(self, model: object, tokens: list[int]) -> list[tuple[int, object]]:
+        popped = super().pop_prefixes(model, tokens)
+        if not self.muted:
+            for n, entry in popped:
+                self._evicted(list(tokens[:n]), entry)
+        return popped
 
 
 class PrefixCache:
@@ -82,6 +95,7 @@ class PrefixCache:
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=cap)
         if self.disk is not None:
             self._lru._trie = _EvictingTrie(self._evicted)  # empty yet: see the module docstring
+        self._spill_until = 0.0  # while `spill` runs: how long a write may wait for room (monotonic s)
         self.hits = 0
         self.misses = 0
         self.cached_tokens = 0
@@ -140,9 +154,9 @@ class PrefixCache:
         self._lru.insert_cache(_MODEL_KEY, list(ids[: entry.tokens]), kept, cache_type="user")
         return loaded, entry.tokens
 
-    def _evicted(self, tokens: list[int], entry) -> None:
+    def _evicted(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
         """The memory tier dropped `entry`: to disk, if it is not there yet (`DiskTier.put` knows)."""
-        self.disk.put(tokens, entry.prompt_cache, evicted=True)
+        self.disk.put(tokens, entry.prompt_cache, evicted=True, wait_until=self._spill_until)
 
     def note_prefill(self, tokens: int, tokens_per_s: float) -> None:
         """A request prefilled `tokens` at `tokens_per_s`: the rate a disk load is weighed against."""
@@ -169,7 +183,28 @@ class PrefixCache:
             self._lru.trim_to(n_sequences=len(self._lru) - 1)
 
     def clear(self) -> None:
-        self._lru.trim_to(n_sequences=0)
+        """Drop every entry (memory pressure, `Engine.clear_cache`): those not on disk are not written,
+        as a write would first copy them."""
+        trie = self._lru._trie
+        muted = isinstance(trie, _EvictingTrie)
+        if muted:
+            trie.muted = True
+        try:
+            self._lru.trim_to(n_sequences=0)
+        finally:
+            if muted:
+                trie.muted = False
+
+    def spill(self, timeout: float) -> None:
+        """The worker is stopping (an unload, a shutdown): every entry not on disk yet is queued to be
+        written, as if evicted, waiting for room in the write queue at most `timeout` s in all; the
+        disk tier's close then flushes."""
+        if self.disk is not None:
+            self._spill_until = time.monotonic() + timeout
+            try:
+                self._lru.trim_to(n_sequences=0)
+            finally:
+                self._spill_until = 0.0
 
     def report(self, report: EngineReport) -> EngineReport:
         report.prompt_cache_bytes = self.nbytes
@@ -182,5 +217,6 @@ class PrefixCache:
             d = self.disk
             report.disk_cache = DiskCacheReport(nbytes=d.nbytes, cap_bytes=d.max_bytes, entries=len(d),
                                                 hits=d.hits, writes=d.writes, removed=d.removed,
-                                                skipped=d.skipped, evicted_writes=d.evicted_writes)
+                                                skipped=d.skipped, evicted_writes=d.evicted_writes,
+                                                lost=d.lost)
         return report
