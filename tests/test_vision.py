@@ -382,20 +382,28 @@ def test_the_3b_preset_quantizes_the_language_model_only():
     assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
 
 
-def test_a_cuda_worker_puts_the_3b_vision_tower_in_float32_only():
-    """What a CUDA worker does to a vision model (`float32_tower`, the SIGFPE workaround): the vision
-    tower becomes float32 and the 4-bit language model keeps its bfloat16 scales; nothing is drawn."""
+def test_float32_tower_keeps_the_language_models_dtype(vl_model):
+    """What a CUDA worker does to a vision model (`float32_tower`, the SIGFPE workaround), on the tiny
+    preset cast to bfloat16: the tower's weights become float32, its image features come out bfloat16,
+    so the prompt's embeddings (and the KV cache made from them) stay bfloat16."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlxrt.synthetic.build import build_model
+    from mlx_vlm import load
+    from mlx_vlm.utils import prepare_inputs
     from mlxrt.worker.vision import float32_tower
 
-    model, _ = build_model("qwen2.5-vl-3b-4bit")
+    model, processor = load(vl_model)
+    model.set_dtype(mx.bfloat16)
     float32_tower(model)
-    dtypes = {name: p.dtype for name, p in tree_flatten(model.parameters())}
-    tower = {d for name, d in dtypes.items() if name.startswith("vision_tower.")}
-    language = {d for name, d in dtypes.items() if name.startswith("language_model.") and d != mx.uint32}
+    tower = {p.dtype for _, p in tree_flatten(model.vision_tower.parameters())}
+    language = {p.dtype for _, p in tree_flatten(model.language_model.parameters())}
     assert tower == {mx.float32} and language == {mx.bfloat16}
+    tok = processor.tokenizer
+    prompt = tok.apply_chat_template(TEMPLATE_CHAT, tokenize=False, add_generation_prompt=True)
+    inputs = prepare_inputs(processor, images=[Image.open(io.BytesIO(png(56, 56)))], prompts=[prompt])
+    features = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"],
+                                          image_grid_thw=inputs["image_grid_thw"])
+    assert features.inputs_embeds.dtype == mx.bfloat16
 
 
 # ---- every API through a real `mlxrt serve` -----------------------------------------------------

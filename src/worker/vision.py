@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import msgspec
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..ipc.protocol import (
@@ -215,14 +217,30 @@ class _Run:
         )
 
 
-def float32_tower(model) -> None:
-    """Put the model's vision tower in float32 (the language model keeps its dtype). MLX's CUDA build
-    (0.32.4, an H200) kills the process with SIGFPE evaluating Qwen2.5-VL-3B's vision tower in bfloat16,
-    in mlx-vlm's own generate too; in float32 the same image runs. The tower is a small part of the
-    model (0.67 B of Qwen2.5-VL-3B's 3.75 B), so this costs little memory."""
+def float32_tower(model: nn.Module) -> None:
+    """Run the model's vision tower in float32, its output cast back to the dtype the tower had, so the
+    language model and its KV cache keep theirs. MLX's CUDA build (0.32.4, an H200) kills the process
+    with SIGFPE evaluating Qwen2.5-VL-3B's vision tower in bfloat16, in mlx-vlm's own generate too; in
+    float32 the same image runs (docs/vision.md). The tower's weights take twice the bytes (0.67 B
+    parameters of Qwen2.5-VL-3B's 3.75 B)."""
     tower = getattr(model, "vision_tower", None)
-    if tower is not None:
-        tower.set_dtype(mx.float32)
+    if tower is None:
+        return
+    floats = (p.dtype for _, p in tree_flatten(tower.parameters()) if mx.issubdtype(p.dtype, mx.floating))
+    dtype = next(floats, None)
+    if dtype is None or dtype == mx.float32:
+        return
+    tower.set_dtype(mx.float32)
+    base = type(tower)
+
+    def call(self, *args, **kwargs):
+        out = base.__call__(self, *args, **kwargs)
+        return tree_map(lambda x: x.astype(dtype) if isinstance(x, mx.array) and x.dtype == mx.float32 else x,
+                        out)
+
+    # The instance's class, not the model's attribute, is swapped: mlx-vlm reads the tower's own
+    # attributes (patch_embed's dtype, its merge size), which a wrapper module would hide.
+    tower.__class__ = type(f"Float32{base.__name__}", (base,), {"__call__": call})
 
 
 class VisionEngine:
