@@ -31,7 +31,8 @@ PROMPT = "Write a long story about a lighthouse keeper and the ships she guides 
 def watch_exit(pid: int, since: float, out: dict) -> threading.Thread:
     """A thread that sets ``out["exit_s"]``: seconds from `since` (perf_counter) until `pid` has exited
     (a zombie or gone, per /proc, polled each ms): the killed process's teardown, which its pipes and
-    ring only report at its end. Linux only; elsewhere the figure is left out."""
+    ring only report at its end. Linux only (elsewhere the figure is left out); a process already gone
+    when it starts counts as exited then."""
     def poll() -> None:
         stat = f"/proc/{pid}/stat"
         while time.perf_counter() - since < 30:
@@ -46,7 +47,7 @@ def watch_exit(pid: int, since: float, out: dict) -> threading.Thread:
             time.sleep(0.001)
 
     t = threading.Thread(target=poll, daemon=True)
-    if os.path.exists(f"/proc/{pid}"):
+    if sys.platform == "linux":
         t.start()
     return t
 
@@ -62,7 +63,9 @@ def one_sample(model: str, transport: str, spares: int, tokens: int, after: int)
         active, *standby = rt.workers
         got: list[int] = []
         gaps: list[float] = []
-        killed_at = resumed_at = last = 0.0
+        teardown: dict = {}  # the killed process's exit, from `watch_exit`
+        exited: threading.Thread | None = None
+        killed_at = resumed_at = last = killed_wall = 0.0
         stream = rt.stream(PROMPT, max_tokens=tokens, ignore_eos=True)
         for i, chunk in enumerate(stream):
             now = time.perf_counter()
@@ -75,12 +78,12 @@ def one_sample(model: str, transport: str, spares: int, tokens: int, after: int)
             if i + 1 == after:
                 killed_at, killed_wall = time.perf_counter(), time.time()
                 os.kill(active.pid, signal.SIGKILL)
-                exited = watch_exit(active.pid, killed_at, teardown := {})
+                exited = watch_exit(active.pid, killed_at, teardown)
         w = rt.workers[0]
         assert stream.stats.resumes == 1 and w.resumes == 1
         assert not standby or w.pid == standby[0].pid, "the spare did not take over"
-        st = stream.stats  # the resumed worker's: from its receipt of the request
-        if exited.is_alive() or exited.ident is not None:
+        st = stream.stats  # the resumed worker's: its queue, then from its admission of the request
+        if exited is not None and exited.ident is not None:
             exited.join(30)
         return {"pause_s": resumed_at - killed_at, "token_gap_s": sorted(gaps)[len(gaps) // 2],
                 "worker_queue_ms": st.queue_ms, "worker_ttft_ms": st.ttft_ms,

@@ -129,19 +129,18 @@ class Solo:
         if len(self.segments) > 1:
             seg, size = self.segments[0], size or self._step_size
             singles = self._singles if len(self.segments) == 2 else 0
-            if singles >= len(seg):  # the resumed reply's tokens, as decode steps: one a model call
+            one_a_call = singles >= len(seg)  # the resumed reply's tokens, as decode steps
+            if one_a_call:
                 size = min(size, SINGLES_PER_CALL)
             elif singles:
                 size = min(size, len(seg) - singles)
             chunk, self.segments[0] = seg[:size], seg[size:]
             with mx.stream(self._stream):
-                for piece in ([[t] for t in chunk] if singles >= len(seg) else [chunk]):
+                for piece in ([[t] for t in chunk] if one_a_call else [chunk]):
                     self.model(mx.array(piece)[None], cache=self.cache)
                     quantize(self.cache, self._kv)
-                    if singles >= len(seg):
-                        # Each call queued as a decode step is (the next one built while it runs): on an
-                        # H200 a graph of 32 calls evaluated at once cost 1.2-2x as much, the first time most.
-                        mx.async_eval([c.state for c in self.cache])
+                    if one_a_call:  # queued as a decode step is; one graph of many calls ran slower on an
+                        mx.async_eval([c.state for c in self.cache])  # H200 (gpu-h200-resume-evict-vision.md)
                 mx.eval([c.state for c in self.cache])
             mx.clear_cache()
             self.tokens += chunk
