@@ -36,13 +36,11 @@ agent-clis: $(STAMP)
 
 # Pytest processes each take a test file at a time (its module fixtures load once), slowest files first
 # (tests/conftest.py); more processes than cores, as many tests wait on workers starting or timing out.
-# TEST_WORKERS=0 runs in one. The checkout's own bytecode is compiled once, not in every process, and
-# pytest may write its assert-rewritten test modules even where PYTHONDONTWRITEBYTECODE is set: each
-# process collects every test file, and a cached collection took 5.3 s of CPU here against 8.2.
+# TEST_WORKERS=0 runs in one. The checkout's own bytecode is compiled once, not in every process.
 TEST_WORKERS ?= 4
 test: $(STAMP) agent-clis
 	$(PY) -m compileall -q src benchmarks tests > /dev/null
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
