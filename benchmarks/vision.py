@@ -30,8 +30,7 @@ from importlib import metadata
 from mlxrt import Runtime
 from mlxrt.ipc.protocol import EngineOptions
 from mlxrt.worker.engine import resolve_model_path
-from mlxrt.worker.limits import on_cuda
-from mlxrt.worker.vision import float32_tower
+from mlxrt.worker.vision import load_model
 
 from . import runner
 
@@ -111,12 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--transport", default="auto", choices=["auto", "ring", "stdio"])
     runner.add_json_arg(ap, study="vision")
     a = ap.parse_args(argv)
-    from mlx_vlm import load
-
     path = resolve_model_path(a.model)
-    model, processor = load(path)
-    if on_cuda():  # as a CUDA worker runs it (`float32_tower`): in bfloat16 MLX's CUDA build crashed
-        float32_tower(model)
+    model, processor = load_model(path)  # as a worker runs it (on CUDA: the vision tower in float32)
     rt = Runtime(model=path, transport=a.transport)
     off = Runtime(model=path, transport=a.transport, engine=EngineOptions(prompt_cache_bytes=0))
     names = ("native", "mlxrt-cold", "mlxrt-repeat", "mlxrt-next-turn", "mlxrt-next-turn-off",

@@ -133,8 +133,8 @@ class WorkerMemory:
     prompt_cache_misses: int = 0
     cached_tokens: int = 0
     prompt_cache_cap_bytes: int = 0
-    #: The prefix cache's disk tier (`DiskCacheReport`: bytes, budget, entries, hits, writes, removed);
-    #: None without one.
+    #: The prefix cache's disk tier (`DiskCacheReport`: bytes, budget, entries and its counters); None
+    #: without one.
     disk_cache: DiskCacheReport | None = None
     #: The model this worker serves.
     model: str = ""

@@ -307,8 +307,9 @@ class Engine(PromptBuilder, PrefillScheduler):
         """The worker is stopping: queue the prefixes not on disk yet, and write what the disk tier has
         queued (at most its flush timeout)."""
         if self._disk is not None:  # both within one MLXRT_DISK_CACHE_FLUSH_S
-            deadline = time.monotonic() + flush_timeout()
-            self.prefix_cache.spill(flush_timeout())
+            budget = flush_timeout()
+            deadline = time.monotonic() + budget
+            self.prefix_cache.spill(budget)
             self._disk.close(max(0.0, deadline - time.monotonic()))
 
     def step(self) -> None:

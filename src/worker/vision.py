@@ -243,13 +243,23 @@ def float32_tower(model: nn.Module) -> None:
     tower.__class__ = type(f"Float32{base.__name__}", (base,), {"__call__": call})
 
 
+def load_model(path: str) -> tuple[nn.Module, Any]:
+    """mlx-vlm's model and processor for `path`, as a worker runs them: on MLX's CUDA build, the vision
+    tower in float32 (`float32_tower`)."""
+    from mlx_vlm.utils import load
+
+    model, processor = load(path)
+    if on_cuda():
+        float32_tower(model)
+    return model, processor
+
+
 class VisionEngine:
     """One mlx-vlm model serving requests one at a time; every method runs on one thread."""
 
     def __init__(self, model: str, *, cache_limit_bytes: int | None = None,
                  options: EngineOptions | None = None, prompt_cache_share: int = 1) -> None:
         from mlx_lm.utils import load_tokenizer
-        from mlx_vlm.utils import load
 
         t0 = time.perf_counter()
         if cache_limit_bytes is not None:
@@ -259,9 +269,7 @@ class VisionEngine:
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported for a vision model (mlx-vlm)")
         self.path = model
-        self.model, self.processor = load(model)
-        if on_cuda():
-            float32_tower(self.model)
+        self.model, self.processor = load_model(model)
         config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
         # mlx-lm's view of the same tokenizer files: the chat template, the streaming detokenizer, and
         # the thinking and tool-call markup its reply parsers read (the processor tokenizes the prompt).
