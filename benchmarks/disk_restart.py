@@ -13,12 +13,23 @@ prompt tokens; the returning turn's tokens must equal the memory-only turn's (gr
 were just written, so they are read from the OS's page cache, as after a server restart (not after a
 reboot).
 
+``--peers vllm-mlx`` runs the same three turns in the same round through vllm-mlx's server
+(``python -m vllm_mlx.cli serve PATH --continuous-batching``, its site directory first on the path
+from ``MLXRT_BENCH_VLLM_MLX_SITE``). vllm-mlx saves its prefix cache under ``~/.cache/vllm-mlx`` when
+it stops and loads all of it back before it listens, so each of its turns is a server start (HOME a
+directory of the round's, so the cache is the round's alone), one streamed chat completion, and a
+SIGTERM that waits for the save; its restart cost is split between ``ready_s`` (start to listening,
+the load included) and the turn's TTFT. Its returning turns compare as text (it sends no ids).
+
 ``python -m benchmarks.disk_restart --model synthetic:qwen3-8b-4bit --prefix-tokens 16000``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +39,7 @@ from mlxrt import EngineOptions, Runtime
 
 from . import runner
 from .e2e import make_prompt, model_tokenizer
+from .peers import ServerProcess, free_port, sse_events
 
 STUDY = "disk-restart"
 
@@ -54,14 +66,91 @@ def turn(model: str, messages: list[dict[str, str]], cache_dir: str | None, toke
             "start_s": started, "disk_cache_hits": sum(m.disk_cache.hits for m in memory if m.disk_cache)}
 
 
+VLLM_MLX_STOP_S = 300.0  # a SIGTERM'd vllm-mlx writes its whole prefix cache before it exits
+
+
+def vllm_mlx_turn(model: str, messages: list[dict[str, str]], home: str, tokens: int) -> dict[str, Any]:
+    """One turn through a vllm-mlx server started over `home`, then stopped (its cache saved): TTFT (ms),
+    start-to-listening (s), cached tokens as it reports them, and the reply's text."""
+    port = free_port()
+    site = os.environ.get("MLXRT_BENCH_VLLM_MLX_SITE", "")
+    path = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH", "")) if x)
+    t0 = time.perf_counter()
+    server = ServerProcess(
+        [sys.executable, "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching",
+         "--host", "127.0.0.1", "--port", str(port)],
+        health="/health", base=f"http://127.0.0.1:{port}", env={"HOME": home, "PYTHONPATH": path})
+    ready = time.perf_counter() - t0
+    first = None
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    try:
+        body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        for event in sse_events(server.base, "/v1/chat/completions", body):
+            for choice in event.get("choices") or []:
+                if piece := (choice.get("delta") or {}).get("content"):
+                    first = first or time.perf_counter()
+                    text.append(piece)
+            usage = event.get("usage") or usage
+    finally:
+        stopping = time.perf_counter()
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(VLLM_MLX_STOP_S)
+        except subprocess.TimeoutExpired:
+            print(f"vllm-mlx did not stop within {VLLM_MLX_STOP_S:g} s: {server.log_tail()}", flush=True)
+        stop_s = time.perf_counter() - stopping
+        server.close()
+    if first is None:
+        raise RuntimeError(f"vllm-mlx sent no content: {server.log_tail()}")
+    return {"ttft_ms": (first - sent) * 1e3, "ready_s": ready, "stop_s": stop_s,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "tokens": "".join(text)}
+
+
+def peer_rounds(path: str, first: list[dict[str, str]], later: list[dict[str, str]], order: list[str],
+                tokens: int) -> dict[str, Any]:
+    """vllm-mlx's cold, disk and memory-only turns of one round, in `order` after the cold one."""
+    with tempfile.TemporaryDirectory(prefix="mlxrt-vllm-mlx-") as home:
+        row: dict[str, Any] = {"cold": vllm_mlx_turn(path, first, home, tokens)}
+        for name in order:
+            with tempfile.TemporaryDirectory(prefix="mlxrt-vllm-mlx-") as fresh:
+                row[name] = vllm_mlx_turn(path, later, home if name == "disk" else fresh, tokens)
+    row["identical"] = row["disk"]["tokens"] == row["memory-only"]["tokens"]
+    print(f"  vllm-mlx: cold {row['cold']['ttft_ms']:.0f} ms, disk {row['disk']['ttft_ms']:.0f} ms "
+          f"(ready {row['disk']['ready_s']:.1f} s, {row['disk']['cached_tokens']} cached), memory-only "
+          f"{row['memory-only']['ttft_ms']:.0f} ms (ready {row['memory-only']['ready_s']:.1f} s), "
+          f"identical={row['identical']}", flush=True)
+    return row
+
+
+def peer_figures(rounds: list[dict[str, Any]], peer: str) -> dict[str, Any]:
+    """A peer's medians over the rounds: TTFT and time to listening per turn, the disk/memory ratio."""
+    v = [r[peer] for r in rounds]
+    turns = ("cold", "disk", "memory-only")
+    return {"ttft_ms": {n: runner.span([x[n]["ttft_ms"] for x in v], ".0f") for n in turns},
+            "ready_s": {n: runner.span([x[n]["ready_s"] for x in v], ".1f") for n in turns},
+            "stop_s": runner.span([x["cold"]["stop_s"] for x in v], ".1f"),
+            "disk_over_memory_only": runner.span(
+                [x["disk"]["ttft_ms"] / x["memory-only"]["ttft_ms"] for x in v], ".3f"),
+            "identical": all(x["identical"] for x in v)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.disk_restart", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="synthetic:small")
     p.add_argument("--prefix-tokens", type=int, default=3000, help="system prompt tokens (default 3000)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=8, help="tokens generated per turn (default 8)")
+    p.add_argument("--peers", default="", help="peers to run in the same rounds, comma-separated: vllm-mlx")
     runner.add_json_arg(p, study=STUDY)
     args = p.parse_args(argv)
+    peers = {x.strip() for x in args.peers.split(",") if x.strip()}
+    if peers - {"vllm-mlx"}:
+        p.error(f"--peers: unknown {sorted(peers - {'vllm-mlx'})}; known: vllm-mlx")
     path, tokenizer = model_tokenizer(args.model)
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
@@ -70,16 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         first = [{"role": "system", "content": system}, {"role": "user", "content": f"Round {r}: hello."}]
         later = [*first, {"role": "assistant", "content": "Hello."},
                  {"role": "user", "content": "And what comes next?"}]
+        order = ["disk", "memory-only"] if r % 2 == 0 else ["memory-only", "disk"]
         with tempfile.TemporaryDirectory(prefix="mlxrt-disk-") as d:
-            row = {"cold": turn(path, first, d, args.tokens)}
-            order = ["disk", "memory-only"] if r % 2 == 0 else ["memory-only", "disk"]
+            row: dict[str, Any] = {"cold": turn(path, first, d, args.tokens)}
             for name in order:
                 row[name] = turn(path, later, d if name == "disk" else None, args.tokens)
         row["identical"] = row["disk"]["tokens"] == row["memory-only"]["tokens"]
-        rounds.append(row)
         print(f"round {r}: cold {row['cold']['ttft_ms']:.0f} ms, disk {row['disk']['ttft_ms']:.0f} ms "
               f"({row['disk']['cached_tokens']} cached), memory-only {row['memory-only']['ttft_ms']:.0f} ms, "
               f"identical={row['identical']}", flush=True)
+        if "vllm-mlx" in peers:
+            row["vllm-mlx"] = peer_rounds(path, first, later, order, args.tokens)
+        rounds.append(row)
     figures = {name: runner.span([r[name]["ttft_ms"] for r in rounds], ".0f")
                for name in ("cold", "disk", "memory-only")}
     ratios = [r["disk"]["ttft_ms"] / r["memory-only"]["ttft_ms"] for r in rounds
@@ -89,11 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in figures.items():
         print(f"  {name:<12} {text}")
     print(f"  disk / memory-only: {runner.span(ratios, '.3f')}")
+    peer_doc = {peer: peer_figures(rounds, peer) for peer in sorted(peers)}
+    for peer, figs in peer_doc.items():
+        print(f"{peer}, same rounds:")
+        for key, val in figs.items():
+            print(f"  {key:<22} {val}")
     doc = {"benchmark": STUDY, "env": runner.environment(), "args": vars(args),
            "rounds": [{k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
                        for k, v in r.items()} for r in rounds],
-           "ttft_ms": figures, "disk_over_memory_only": runner.span(ratios, ".3f")}
+           "ttft_ms": figures, "disk_over_memory_only": runner.span(ratios, ".3f"), "peers": peer_doc}
     status = "ok" if all(r["identical"] for r in rounds) else "tokens differ"
+    if not all(f["identical"] for f in peer_doc.values()):
+        status += "; a peer's returning turns differ"
     runner.finish(doc, runner.json_path(args.json, STUDY),
                   {"benchmark": STUDY, "status": status, "ttft_ms": figures,
                    "disk_over_memory_only": runner.span(ratios, ".3f")})
