@@ -55,6 +55,33 @@ def test_a_new_engine_starts_from_the_prefixes_on_disk(tmp_path, preset, options
     second.close()
 
 
+@pytest.mark.parametrize("preset, options, trims", [
+    ("tiny", {}, True),
+    ("small", {"kv_bits": 8, "quantized_kv_start": 0}, True),
+    ("tiny", {"max_kv_size": 256}, False),  # rotating: only an exact checkpoint may serve
+], ids=["kv", "quantized", "rotating"])
+def test_a_chats_next_turn_after_a_restart_is_served_from_its_first_prompt_trimmed_back(
+        tmp_path, preset, options, trims):
+    """After a restart, a chat's next turn is served by its first prompt's entry, which it does not begin
+    (that ended in the generation prompt), trimmed back to what they share where the cache can be
+    trimmed; its reply is the reply without any cache. A rotating cache gets an exact entry or none."""
+    first = engine(preset, tmp_path, **options)
+    ask(first, 1)
+    first.close()
+    turn = chat(QUESTION, "Calm, with a light breeze.", "And tomorrow?")
+    second = engine(preset, tmp_path, **options)
+    second._disk._scan()
+    lengths = {e.tokens for e in second._disk._entries.values()}  # the checkpoint, the first prompt, ...
+    warm, stats = run_alone(second, gen(2, messages=turn, max_tokens=12))
+    second.close()
+    plain = Engine(str(ensure_model(preset)), options=EngineOptions(**options))
+    cold, cold_stats = run_alone(plain, gen(3, messages=turn, max_tokens=12))
+    plain.close()
+    assert warm == cold and cold_stats.cached_tokens == 0
+    assert stats.cached_tokens >= min(lengths)
+    assert (stats.cached_tokens not in lengths) == trims, (stats.cached_tokens, sorted(lengths))
+
+
 def test_a_corrupt_entry_is_removed_never_loaded(tmp_path):
     """A truncated entry is skipped and removed with a warning; the request is served as if uncached."""
     first = engine("tiny", tmp_path)
@@ -422,3 +449,35 @@ def disk_cache_bound() -> int:
     from mlxrt.worker.disk_cache import MAX_QUEUED_WRITES
 
     return MAX_QUEUED_WRITES
+
+
+def test_a_prefix_a_slightly_longer_entry_covers_is_not_written_and_is_served_trimmed(tmp_path):
+    """Where caches can be trimmed, a checkpoint queued behind the writer is withdrawn when its chat's
+    slightly longer prompt is queued, and one put after that prompt is on disk is not written: one file
+    serves both, trimmed back. A much longer entry does not cover a short prefix (its read would cost
+    more than the prefix saves), nor does any under a cache that cannot be trimmed."""
+    from mlxrt.worker.disk_cache import COVER_RATIO, DiskTier
+
+    tier = DiskTier(str(tmp_path / "kv"), "id", 1 << 30, kinds=["KVCache"])
+    system, chat = [7] * 40, [7] * 40 + [8] * 8
+    paused = PausedWriter(tier)
+    tier.put([1] * 40, kv_cache(40))
+    assert paused.inside.wait(30)
+    tier.put(system, kv_cache(40))
+    tier.put(chat, kv_cache(48))  # covers the queued checkpoint: it is withdrawn
+    paused.release()
+    assert tier.flush(timeout=60)
+    tier.put(system, kv_cache(40))  # covered by the entry on disk
+    long = [5] * 40
+    tier.put([*long, *[6] * int(40 * COVER_RATIO)], kv_cache(40 + int(40 * COVER_RATIO)))
+    tier.put(long, kv_cache(40))  # too short a part of that one: written itself
+    assert tier.flush(timeout=60)
+    assert sorted(e.tokens for e in tier._entries.values()) == [40, 40, 48, 90]
+    found = tier.find([*system, 9, 9], 0)
+    assert found is not None and (found.entry.tokens, found.tokens) == (48, 40)
+    loaded = tier.load(found, [*system, 9, 9])
+    assert loaded is not None and {c.offset for c in loaded} == {40}
+    tier.close()
+    rotating = DiskTier(str(tmp_path / "rotating"), "id", 1 << 30, kinds=["RotatingKVCache"])
+    assert not rotating.trimmable
+    rotating.close()

@@ -15,6 +15,8 @@ restarts and crashes, shared by every worker of the model and the next process.
   the background, never on a decode step, to a temporary name and renamed into place: a crash
   mid-write leaves nothing that loads, and two workers writing the same prefix leave one entry.
 - What is written: every prefix the memory tier keeps, as it keeps it (so a crash loses little),
+  but for one that a slightly longer entry, written or queued, covers where caches can be trimmed
+  (`COVER_RATIO`: a system prompt's checkpoint under its chat's first prompt is one file, not two),
   while the writer keeps up; past the write queue's bounds the newest is left in memory, and is
   written when it leaves memory (`put(evicted=True)`: evicted, superseded by a longer entry, or the
   worker stopping), ahead of waiting write-throughs, which make room for it. Lost are only prefixes
@@ -23,6 +25,11 @@ restarts and crashes, shared by every worker of the model and the next process.
 - The index is the directory listing (the length and digest are in the name): a lookup hashes the
   prompt's prefixes at the lengths the index holds, in one pass, and a miss reads the listing
   again at most every `RESCAN_S` (other workers' entries).
+- Where every layer's cache can be trimmed (`KVCache`, quantized), an entry that the prompt does not
+  begin serves the part they share, trimmed back to it, as the memory tier does: a chat's first
+  prompt ends in the generation prompt, which its next turn replaces with the reply, so without this
+  only the system prompt's checkpoint would serve that turn. Such a lookup compares the token ids in
+  the entries' file headers (read once per entry) with the prompt.
 - Loading checks the metadata (identity, token ids) and the cache's kinds and length against the
   model; a truncated or corrupt entry, one from another model, one of the wrong kind or length is
   removed with a warning, never used.
@@ -42,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import threading
 import time
 from array import array
@@ -50,10 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import structlog
 from mlx.utils import tree_map
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, save_prompt_cache, trim_prompt_cache
 
 log = structlog.get_logger("mlxrt.worker")
 
@@ -76,6 +85,14 @@ STALE_TMP_S = 600.0
 
 #: A lone sequence's KV cache may be quantized (--kv-bits): it stands where the model's `KVCache` does.
 _QUANTIZED_AS = {"QuantizedKVCache": "KVCache"}
+#: Cache kinds that can always be trimmed back (a rotating one only until it rotates: not counted).
+_TRIMMABLE = {"KVCache"}
+#: Where caches can be trimmed, a prefix is not written while an entry at most this many times its
+#: length begins with it (written, being written or queued): that entry serves it, trimmed back, for
+#: a read that much larger; a queued shorter one it covers is withdrawn (`put`).
+COVER_RATIO = 1.25
+#: A file header larger than this (bytes) is not read for its token ids: not an entry of ours.
+_MAX_HEADER = 64 << 20
 
 
 @dataclass
@@ -88,6 +105,18 @@ class Entry:
     #: Written or loaded by this process: known whole. An entry found on disk is rewritten when this
     #: process keeps the same prefix (it may be a torn or foreign file).
     verified: bool = False
+    #: Its token ids, once known (written here, or read from its header by a trimming lookup); an
+    #: empty array where the header would not read.
+    ids: np.ndarray | None = None
+
+
+@dataclass
+class Found:
+    """A lookup's answer: `entry` serves the prompt's first `tokens` (fewer than the entry holds
+    where it is trimmed back to what the two share)."""
+
+    entry: Entry
+    tokens: int
 
 
 @dataclass
@@ -139,6 +168,33 @@ def _digest(ids: list[int]) -> str:
     return _digests(ids, [len(ids)])[len(ids)]
 
 
+def _header_ids(path: Path) -> np.ndarray:
+    """The token ids in an entry file's safetensors header, without reading its tensors; empty if the
+    header does not read or holds none."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > _MAX_HEADER:
+                return np.zeros(0, np.int64)
+            meta = json.loads(f.read(size)).get("__metadata__") or {}
+        text = next((v for k, v in meta.items() if k.rpartition(".")[2] == TOKENS_KEY), "[]")
+        return np.asarray(json.loads(text), dtype=np.int64)
+    except (OSError, ValueError, TypeError, struct.error):
+        return np.zeros(0, np.int64)
+
+
+def _covers(longer: list[int], tokens: list[int]) -> bool:
+    """Whether `longer` begins with `tokens` and is at most `COVER_RATIO` times as long."""
+    return len(tokens) < len(longer) <= COVER_RATIO * len(tokens) and longer[: len(tokens)] == tokens
+
+
+def _shared(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
 def _digests(ids: list[int], lengths: list[int]) -> dict[int, str]:
     """The digest of ``ids[:n]`` for each n of `lengths`, hashing `ids` once (a running hash copied at
     each length)."""
@@ -163,6 +219,8 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.kinds = kinds
         self.enabled = max_bytes > 0 and all(hasattr(mlx_cache, k) for k in kinds)
+        #: Whether an entry may serve a prompt it does not begin, trimmed back (`find`).
+        self.trimmable = bool(kinds) and set(kinds) <= _TRIMMABLE
         self.hits = self.loads = self.writes = self.removed = 0
         #: The disk's read rate as loads measured it (bytes/s); None until one has.
         self.read_bps: float | None = None
@@ -173,6 +231,7 @@ class DiskTier:
         self._waiting: deque[_Write] = deque()
         self._writing = 0
         self._writing_digest = ""
+        self._writing_tokens: list[int] = []
         self._changed = threading.Condition(self._lock)
         self._stop = False
         #: Write-throughs refused or withdrawn while the writer was behind (the queue's bounds): those
@@ -208,16 +267,41 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, ids: list[int], longer_than: int) -> Entry | None:
-        """The longest entry whose tokens begin `ids`, leaves one token of it to prefill, and is longer
-        than `longer_than` tokens; None if there is none."""
+    def find(self, ids: list[int], longer_than: int) -> Found | None:
+        """The entry that serves the most of `ids`, leaving at least one token to prefill, and more
+        than `longer_than` tokens: the longest entry that begins `ids`, or, where the caches can be
+        trimmed, one that shares more of them; None if there is none."""
         if not self.enabled or len(ids) - 1 <= max(longer_than, MIN_TOKENS - 1):
             return None
-        found = self._longest(ids, longer_than)
+        found = self._best(ids, longer_than)
         if found is None and time.monotonic() - self._scanned > RESCAN_S:
             self._scan()
-            found = self._longest(ids, longer_than)
+            found = self._best(ids, longer_than)
         return found
+
+    def _best(self, ids: list[int], longer_than: int) -> Found | None:
+        exact = self._longest(ids, longer_than)
+        best = Found(exact, exact.tokens) if exact is not None else None
+        if self.trimmable:
+            trimmed = self._trimmed(ids, best.tokens if best else longer_than)
+            if trimmed is not None:
+                best = trimmed
+        return best
+
+    def _trimmed(self, ids: list[int], longer_than: int) -> Found | None:
+        """The entry sharing the most of `ids` (more than `longer_than` tokens, one left to prefill) that
+        `ids` does not begin, to be trimmed back to what they share; None if none shares more."""
+        with self._lock:
+            candidates = [e for e in self._entries.values() if e.tokens > longer_than + 1]
+        prompt = np.asarray(ids, dtype=np.int64)
+        best: Found | None = None
+        for e in candidates:
+            if e.ids is None:
+                e.ids = _header_ids(e.path)
+            n = min(_shared(e.ids, prompt), len(ids) - 1)
+            if n < e.tokens and n > max(longer_than, MIN_TOKENS - 1) and (best is None or n > best.tokens):
+                best = Found(e, n)
+        return best
 
     def _longest(self, ids: list[int], longer_than: int) -> Entry | None:
         with self._lock:
@@ -240,9 +324,11 @@ class DiskTier:
             return True
         return entry.nbytes / self.read_bps < gain_tokens / prefill_tps
 
-    def load(self, entry: Entry, ids: list[int]) -> list | None:
-        """`entry`'s cache, checked against `ids` and the model; None (the entry removed, with a
-        warning) if it does not load or does not fit."""
+    def load(self, found: Found, ids: list[int]) -> list | None:
+        """The cache of `found`'s entry, checked against `ids` and the model, holding `found.tokens`
+        (trimmed back where the entry holds more); None (the entry removed, with a warning) if it does
+        not load or does not fit."""
+        entry = found.entry
         t0 = time.perf_counter()
         try:
             cache, meta = load_prompt_cache(str(entry.path), return_metadata=True)
@@ -254,10 +340,16 @@ class DiskTier:
         except Exception as exc:  # truncated, corrupt, or not a cache file at all
             self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
             return None
-        problem = self._problem(cache, meta, ids[: entry.tokens])
+        problem = self._problem(cache, meta, entry.tokens, ids[: found.tokens])
         if problem:
             self._remove(entry, problem)
             return None
+        if found.tokens < entry.tokens:
+            if not can_trim_prompt_cache(cache):  # not as `kinds` said: trimmed lookups end here
+                log.warning("disk_cache.untrimmable", path=str(entry.path), kinds=self.kinds)
+                self.trimmable = False
+                return None
+            trim_prompt_cache(cache, entry.tokens - found.tokens)
         seconds = time.perf_counter() - t0
         if seconds > 0:
             rate = entry.nbytes / seconds
@@ -270,21 +362,22 @@ class DiskTier:
         self.loads += 1
         return cache
 
-    def _problem(self, cache: list, meta: dict, tokens: list[int]) -> str | None:
+    def _problem(self, cache: list, meta: dict, length: int, shared: list[int]) -> str | None:
+        """Why a loaded entry of `length` tokens, which should begin with `shared`, must not be used."""
         if meta.get(IDENTITY_KEY) != self.identity:
             return "made by another model or other options"
         try:
             saved = json.loads(meta.get(TOKENS_KEY, "null"))
         except ValueError:
             saved = None
-        if saved != tokens:
+        if not isinstance(saved, list) or len(saved) != length or saved[: len(shared)] != shared:
             return "its token ids are not the prefix its name says"
         kinds = [type(c).__name__ for c in cache]
         if [_QUANTIZED_AS.get(k, k) for k in kinds] != self.kinds:
             return f"its cache kinds {kinds} are not the model's {self.kinds}"
-        offsets = {getattr(c, "offset", len(tokens)) for c in cache}
-        if offsets != {len(tokens)}:
-            return f"its caches hold {sorted(offsets)} tokens, not {len(tokens)}"
+        offsets = {getattr(c, "offset", length) for c in cache}
+        if offsets != {length}:
+            return f"its caches hold {sorted(offsets)} tokens, not {length}"
         return None
 
     # -- writes (background) ---------------------------------------------------
@@ -296,8 +389,9 @@ class DiskTier:
         stopping), else refuses. A failure here turns the tier off, never fails a request."""
         if not self.enabled or len(tokens) < MIN_TOKENS:
             return
+        tokens = list(tokens)
         try:
-            digest = _digest(list(tokens))
+            digest = _digest(tokens)
             size = sum(c.nbytes for c in cache)
             with self._lock:
                 known = self._entries.get(digest)
@@ -307,6 +401,9 @@ class DiskTier:
                 if waiting is not None:  # already queued: if evicted meanwhile, it may not be withdrawn
                     waiting.evicted = waiting.evicted or evicted
                     return
+            if self.trimmable and self._covered(tokens):
+                return
+            with self._lock:
                 while not self._room(size, evicted) and time.monotonic() < wait_until:
                     self._changed.wait(wait_until - time.monotonic())
                 if not self._room(size, evicted):
@@ -322,8 +419,27 @@ class DiskTier:
             self._off(f"cannot snapshot a cache to write: {type(exc).__name__}: {exc}")
             return
         with self._lock:
+            if self.trimmable:  # queued shorter prefixes this one covers: written as part of it
+                for w in [w for w in self._waiting if _covers(tokens, w.tokens)]:
+                    self._waiting.remove(w)
             self._waiting.append(_Write(list(tokens), digest, snapshot, nbytes, evicted))
             self._changed.notify_all()
+
+    def _covered(self, tokens: list[int]) -> bool:
+        """Whether an entry written, being written or queued covers `tokens` (`COVER_RATIO`)."""
+        with self._lock:
+            queued = [self._writing_tokens, *(w.tokens for w in self._waiting)]
+            entries = [e for e in self._entries.values()
+                       if len(tokens) < e.tokens <= COVER_RATIO * len(tokens)]
+        if any(_covers(q, tokens) for q in queued):
+            return True
+        prompt = np.asarray(tokens, dtype=np.int64)
+        for e in entries:
+            if e.ids is None:
+                e.ids = _header_ids(e.path)
+            if _shared(e.ids, prompt) == len(tokens):
+                return True
+        return False
 
     def _room(self, size: int, evicted: bool) -> bool:
         """Whether a write of `size` bytes may wait now. Past the queue's bounds (the writer is behind) a
@@ -374,13 +490,13 @@ class DiskTier:
                 if not self._waiting:
                     return
                 w = self._waiting.popleft()
-                self._writing, self._writing_digest = 1, w.digest
+                self._writing, self._writing_digest, self._writing_tokens = 1, w.digest, w.tokens
             try:
                 if self.enabled and self._write(w.tokens, w.digest, w.cache) and w.evicted:
                     self.evicted_writes += 1
             finally:
                 with self._lock:
-                    self._writing, self._writing_digest = 0, ""
+                    self._writing, self._writing_digest, self._writing_tokens = 0, "", []
                     self._changed.notify_all()
 
     def _write(self, tokens: list[int], digest: str, cache: list) -> bool:
@@ -397,7 +513,8 @@ class DiskTier:
             self._off(f"cannot write {final}: {type(exc).__name__}: {exc}")
             return False
         with self._lock:
-            self._entries[digest] = Entry(len(tokens), digest, final, nbytes, time.time(), verified=True)
+            self._entries[digest] = Entry(len(tokens), digest, final, nbytes, time.time(), verified=True,
+                                          ids=np.asarray(tokens, dtype=np.int64) if self.trimmable else None)
         self.writes += 1
         self._evict()
         return True
@@ -445,7 +562,7 @@ class DiskTier:
             for digest, e in found.items():
                 known = self._entries.get(digest)
                 if known is not None and known.nbytes == e.nbytes:
-                    e.verified = known.verified
+                    e.verified, e.ids = known.verified, known.ids
             self._entries = found
         self._scanned = time.monotonic()
 

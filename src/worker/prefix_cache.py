@@ -143,16 +143,16 @@ class PrefixCache:
         """The disk tier's prefix of `ids` where it is longer than memory's `n` tokens and reading it
         beats prefilling the difference; it joins the memory tier too."""
         while True:  # an entry that does not load is removed: the next longest may
-            entry = self.disk.find(ids, n)
-            if entry is None or not self.disk.worth_loading(entry, entry.tokens - n, self.prefill_tps):
+            found = self.disk.find(ids, n)
+            if found is None or not self.disk.worth_loading(found.entry, found.tokens - n, self.prefill_tps):
                 return cache, n
-            loaded = self.disk.load(entry, ids)
+            loaded = self.disk.load(found, ids)
             if loaded is not None:
                 break
         self.disk.hits += 1
         kept = copy.deepcopy(loaded)  # the batch extends the returned copy in place
-        self._lru.insert_cache(_MODEL_KEY, list(ids[: entry.tokens]), kept, cache_type="user")
-        return loaded, entry.tokens
+        self._lru.insert_cache(_MODEL_KEY, list(ids[: found.tokens]), kept, cache_type="user")
+        return loaded, found.tokens
 
     def _evicted(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
         """The memory tier dropped `entry`: to disk, if it is not there yet (`DiskTier.put` knows)."""
