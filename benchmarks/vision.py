@@ -15,7 +15,9 @@ Each round, interleaved, on the same model (default ``synthetic:tiny-qwen2.5-vl`
   request at a time): the text request's TTFT is the wait behind the image.
 
 TTFT is measured by the caller (the first streamed token), decode tok/s by the worker's `Stats` (native:
-tokens after the first over their time). The table goes to stdout, then the JSON document's path
+tokens after the first over their time). Each round checks that the worker's reply (cold and repeated)
+is mlx-vlm's token ids, and the next turn's the same with the prefix cache on and off. The table goes to
+stdout, then the JSON document's path
 (``--json``, benchmarks/runner.py) and a short summary line.
 """
 
@@ -66,14 +68,17 @@ def native(model, processor, png: bytes, tokens: int) -> dict:
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
         tokenize=False, add_generation_prompt=True)
     times = []
+    ids = []
     prompt_tokens = 0
     for result in stream_generate(model, processor, prompt, image=[img], max_tokens=tokens, temperature=0.0):
         times.append(time.perf_counter())
+        if result.token is not None:
+            ids.append(int(result.token))
         prompt_tokens = result.prompt_tokens
     n = len(times)
     return {"ttft_ms": (times[0] - t0) * 1e3,
             "decode_tps": (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else 0.0,
-            "tokens": n, "prompt_tokens": prompt_tokens}
+            "tokens": n, "prompt_tokens": prompt_tokens, "ids": ids[:tokens]}
 
 
 def through_worker(rt: Runtime, prompt, tokens: int) -> dict:
@@ -82,13 +87,15 @@ def through_worker(rt: Runtime, prompt, tokens: int) -> dict:
     stream = rt.stream(prompt, max_tokens=tokens, ignore_eos=True, temperature=0.0)
     first = None
     text = []
+    ids = []
     for chunk in stream:
         first = first or time.perf_counter()
         text.append(chunk.text)
+        ids += chunk.tokens
     s = stream.stats
     return {"ttft_ms": ((first or time.perf_counter()) - t0) * 1e3, "decode_tps": s.decode_tps,
             "tokens": s.generation_tokens, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
-            "text": "".join(text)}
+            "text": "".join(text), "ids": ids}
 
 
 def text_behind_image(rt: Runtime, png: bytes, tokens: int, n: int) -> dict:
@@ -117,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = ("native", "mlxrt-cold", "mlxrt-repeat", "mlxrt-next-turn", "mlxrt-next-turn-off",
              "mlxrt-text+image")
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    identical: list[bool] = []
     try:
         for r in range(a.rounds + 1):  # round 0 compiles and warms: not kept
             png = image(a.side, r)
@@ -129,7 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
             through_worker(off, messages(png), 1)  # the same history on the other worker, unmeasured
             row["mlxrt-next-turn-off"] = through_worker(off, turn, a.tokens)
             row["mlxrt-text+image"] = text_behind_image(rt, image(a.side, 1000 + r), a.tokens, r)
+            same = (row["native"]["ids"] == row["mlxrt-cold"]["ids"] == row["mlxrt-repeat"]["ids"]
+                    and row["mlxrt-next-turn"]["ids"] == row["mlxrt-next-turn-off"]["ids"])
             if r:
+                identical.append(same)
                 for n in names:
                     runs[n].append(row[n])
     finally:
@@ -146,13 +157,16 @@ def main(argv: list[str] | None = None) -> dict:
         prompt = [x.get("prompt_tokens", 0) for x in runs[n]]
         print(f"{n:20} {runner.span(ttft[n]):>24} {runner.span(tps[n]):>24} {runner.span(prompt, '.0f'):>14} "
               f"{runner.span(cached, '.0f'):>14}")
+    print(f"replies identical (native, cold, repeat; the next turn cached and not): "
+          f"{sum(identical)}/{len(identical)} rounds")
     env = runner.environment()
     env["versions"]["mlx-vlm"] = metadata.version("mlx-vlm")  # env.describe knows only mlx-lm's family
     result = {"model": a.model, "rounds": a.rounds, "tokens": a.tokens, "side": a.side,
-              "prompt_tokens": prompt_tokens, "runs": runs, "env": env}
+              "prompt_tokens": prompt_tokens, "identical": identical, "runs": runs, "env": env}
     medians = {n: runner.span(ttft[n], rng=False) for n in names}
     runner.finish(result, runner.json_path(a.json, "vision"),
-                  {"benchmark": "mlxrt-vision", "model": a.model, "ttft_ms_median": medians})
+                  {"benchmark": "mlxrt-vision", "model": a.model, "ttft_ms_median": medians,
+                   "identical": f"{sum(identical)}/{len(identical)}"})
     return result
 
 
