@@ -182,7 +182,7 @@ def default_disk_cache_dir() -> str:
                         "prompt-cache")
 
 #: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens, gather_ms,
-#: prefill_budget_ms and prompt_cache_disk_bytes are mlxrt's own.
+#: prefill_budget_ms, prompt_cache_disk_bytes and prompt_cache_warm_bytes are mlxrt's own.
 ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
     "prompt_concurrency": "most prompts prefilled together per worker",
@@ -197,6 +197,8 @@ ENGINE_FLAGS = {
                  "prefills go together (0: admit at once; mlxrt's own)",
     "prompt_cache_disk_bytes": "byte budget of the prefix cache's disk tier under --prompt-cache-dir "
                                "(0: no disk tier; mlxrt's own)",
+    "prompt_cache_warm_bytes": "bytes of the disk tier's newest entries a started worker reads back into "
+                               "memory while idle (0: none; auto: half of prompt_cache_bytes; mlxrt's own)",
 }
 
 #: Per-model options (docs/options.md), with mlx_lm.server's and mlx_lm.generate's flag names:

@@ -173,7 +173,7 @@ def test_a_full_disk_turns_the_tier_off_and_serving_goes_on(tmp_path):
 def test_runtime_restart_reuses_a_chat_prefix(tmp_path, tiny_model):
     """Real workers: a runtime closed and started again answers a chat's next request from disk, the
     same ids."""
-    opts = EngineOptions(prompt_cache_dir=str(tmp_path))
+    opts = EngineOptions(prompt_cache_dir=str(tmp_path), prompt_cache_warm_bytes=0)  # a lookup loads it
     msgs = [{"role": "system", "content": "You answer at length about the sea. " * 8},
             {"role": "user", "content": QUESTION}]
     with Runtime(model=tiny_model, engine=opts) as rt:
@@ -182,9 +182,70 @@ def test_runtime_restart_reuses_a_chat_prefix(tmp_path, tiny_model):
         warm = rt.generate(msgs, max_tokens=8, ignore_eos=True)
         (memory,) = rt.memory()
     disk = memory.disk_cache
-    assert disk is not None and disk.hits >= 1 and disk.entries >= 1 and disk.nbytes > 0
+    assert disk is not None and disk.hits >= 1 and disk.entries >= 1 and disk.nbytes > 0 and disk.warmed == 0
     assert warm.tokens == cold.tokens
     assert cold.stats.cached_tokens == 0 and warm.stats.cached_tokens > 0
+
+
+def test_a_restarted_worker_reads_its_newest_prefixes_back_into_memory_while_idle(tmp_path, tiny_model):
+    """Real workers: a runtime started again over a disk tier reads the newest entries back into its
+    memory tier while idle (warming), so the chat's next request is a memory hit with no disk load, the
+    same ids as the first run's."""
+    opts = EngineOptions(prompt_cache_dir=str(tmp_path))
+    msgs = [{"role": "system", "content": "You answer at length about the sea. " * 8},
+            {"role": "user", "content": QUESTION}]
+    with Runtime(model=tiny_model, engine=opts) as rt:
+        cold = rt.generate(msgs, max_tokens=8, ignore_eos=True)
+    with Runtime(model=tiny_model, engine=opts) as rt:
+        wait_for(lambda: rt.memory()[0].disk_cache.warmed >= 1, what="a disk entry read back while idle")
+        again = rt.generate(msgs, max_tokens=8, ignore_eos=True)
+        (memory,) = rt.memory()
+    assert again.tokens == cold.tokens and again.stats.cached_tokens > 0
+    assert memory.disk_cache.hits == 0 and memory.prompt_cache_hits == 1
+
+
+def test_warming_reads_a_layer_a_step_yields_to_requests_and_stops_under_pressure(tmp_path):
+    """In-process: warming reads the newest entries back one layer per step, within its byte budget
+    (none at 0); a request served between two steps gets the reply it gets without any cache, and
+    is not loaded twice; a memory-pressure clear ends warming."""
+    first = engine("small", tmp_path)
+    for i, q in enumerate(["What is the weather like by the sea?", "Name three rivers of Europe."]):
+        ask(first, i, q)
+    first.close()
+    layers = len(first.model.layers)
+
+    off = engine("small", tmp_path, prompt_cache_warm_bytes=0)
+    off.warmup(4)
+    assert not off.warming
+    off.close()
+
+    e = engine("small", tmp_path)
+    e.warmup(4)
+    assert e.warming
+    for _ in range(layers + 1):  # each layer of the newest entry, then the first of the next one
+        e.warm_step()
+    assert e.report().disk_cache.warmed == 1 and len(e.prefix_cache) == 1  # the newest entry, whole
+    question = "What is the weather like by the sea?"
+    mid, mid_stats = ask(e, 9, question)  # its entry is the one being read: the request loads it itself
+    steps = layers + 1
+    while e.warming:
+        e.warm_step()
+        steps += 1
+    report = e.report().disk_cache
+    assert mid_stats.cached_tokens > 0 and report.hits == 1
+    assert steps == 3 * layers + 1  # one step a layer, and one to end
+    assert report.entries == 3 and report.warmed == 2  # the one the request loaded is not added twice
+    plain = Engine(str(ensure_model("small")), options=EngineOptions())
+    assert mid == run_alone(plain, gen(10, messages=chat(question), max_tokens=12))[0]
+    plain.close()
+    e.close()
+
+    pressed = engine("small", tmp_path)
+    pressed.warmup(4)
+    pressed.warm_step()
+    pressed.clear_cache()
+    assert not pressed.warming and len(pressed.prefix_cache) == 0
+    pressed.close()
 
 
 def test_metrics_show_the_prefix_cache_and_its_disk_tier(tmp_path, tiny_model):

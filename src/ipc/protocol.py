@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 12: EngineOptions.prompt_cache_warm_bytes, DiskCacheReport.warmed (disk entries read back while idle).
 #: 11: DiskCacheReport.evicted_writes and lost (prefixes written, or not, as they left memory).
 #: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
 #: EngineReport.prefill_calls and prefill_batched.
@@ -28,7 +29,7 @@ import msgspec
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -361,6 +362,10 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`, but 0 on MLX's CUDA backend, where the chunks cost a
     #: long prompt 3.8x its TTFT on an H200 (docs/benchmarks/gpu-h200-agents-disk.md).
     prefill_budget_ms: int | None = None
+    #: Bytes of the disk tier's most recently used entries a started worker reads back into its memory
+    #: tier while idle (docs/engine.md, durable prefixes); None (auto): half the memory tier's cap;
+    #: 0: none.
+    prompt_cache_warm_bytes: int | None = None
 
     def validate(self) -> EngineOptions:
         """Raise `ValueError` naming the first bad field; return self."""
@@ -372,6 +377,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
                "must be >= 0", self.prompt_cache_bytes)
         _check(self.prompt_cache_disk_bytes >= 0, "prompt_cache_disk_bytes", "must be >= 0",
                self.prompt_cache_disk_bytes)
+        _check(self.prompt_cache_warm_bytes is None or self.prompt_cache_warm_bytes >= 0,
+               "prompt_cache_warm_bytes", "must be >= 0", self.prompt_cache_warm_bytes)
         _check(self.prefill_budget_ms is None or 0 <= self.prefill_budget_ms <= MAX_PREFILL_BUDGET_MS,
                "prefill_budget_ms",
                f"must be in [0, {MAX_PREFILL_BUDGET_MS}]", self.prefill_budget_ms)
@@ -780,6 +787,8 @@ class DiskCacheReport(msgspec.Struct, kw_only=True):
     evicted_writes: int = 0
     #: Prefixes that left memory while the write queue was full of others that had: on neither tier.
     lost: int = 0
+    #: Entries this worker read back into its memory tier while idle after it started (warming).
+    warmed: int = 0
 
 
 class EngineReport(msgspec.Struct, kw_only=True):

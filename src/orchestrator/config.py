@@ -160,4 +160,5 @@ def engine_from_env() -> EngineOptions:
         prompt_cache_dir=os.environ.get("MLXRT_PROMPT_CACHE_DIR") or None,
         prompt_cache_disk_bytes=_env_int("MLXRT_PROMPT_CACHE_DISK_BYTES", b.prompt_cache_disk_bytes),
         prefill_budget_ms=_env_opt_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),
+        prompt_cache_warm_bytes=_env_opt_int("MLXRT_PROMPT_CACHE_WARM_BYTES", b.prompt_cache_warm_bytes),
     ).validate()

@@ -34,6 +34,10 @@ restarts and crashes, shared by every worker of the model and the next process.
   model; a truncated or corrupt entry, one from another model, one of the wrong kind or length is
   removed with a warning, never used.
 - Least-recently-used within the byte budget (a load touches the file's time).
+- Warming: a worker that has just started (a restart, a crash's replacement, a reload) and is idle
+  reads the most recently used entries back into its memory tier, newest first, up to a byte budget
+  (`PrefixCache.warm`), one layer's arrays at a time, so that a request arriving meanwhile waits for
+  one layer's read at most; a chat's next turn after a restart then finds its prefix in memory.
 - A prefix is loaded only where that is faster than prefilling it (`worth_loading`: the bytes at
   the disk's measured read rate against the tokens at the engine's measured prefill rate). Until a
   load has been timed, a prefix is loaded: the first load measures the disk.
@@ -241,6 +245,8 @@ class DiskTier:
         self.lost = 0
         #: Prefixes written as the memory tier evicted them.
         self.evicted_writes = 0
+        #: Entries read back into the memory tier by warming (`PrefixCache.warm`).
+        self.warmed = 0
         self._thread: threading.Thread | None = None
         if not self.enabled:
             if max_bytes > 0:
@@ -361,6 +367,45 @@ class DiskTier:
             pass
         self.loads += 1
         return cache
+
+    def newest(self, max_bytes: int) -> list[Entry]:
+        """The most recently used entries, newest first, as many as fit in `max_bytes` together."""
+        if not self.enabled:
+            return []
+        self._scan()
+        with self._lock:
+            entries = sorted(self._entries.values(), key=lambda e: -e.used)
+        chosen, total = [], 0
+        for e in entries:
+            if total + e.nbytes <= max_bytes:
+                chosen.append(e)
+                total += e.nbytes
+        return chosen
+
+    def read_in_steps(self, entry: Entry):
+        """A generator that reads `entry`'s cache one layer at a time, yielding between layers (MLX's
+        load is lazy: each layer's arrays are read as they are evaluated), and returns the cache and
+        its token ids, checked as `load` checks them, or None (removed with a warning where it does not
+        load or fit; a miss where another worker evicted it meanwhile)."""
+        try:
+            cache, meta = load_prompt_cache(str(entry.path), return_metadata=True)
+            for c in cache:
+                mx.eval(c.state)
+                yield
+            tokens = json.loads(meta.get(TOKENS_KEY, "null"))
+        except FileNotFoundError:
+            with self._lock:
+                self._entries.pop(entry.digest, None)
+            return None
+        except Exception as exc:  # truncated, corrupt, or not a cache file at all
+            self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
+            return None
+        problem = self._problem(cache, meta, entry.tokens, [])
+        if problem:
+            self._remove(entry, problem)
+            return None
+        entry.verified = True
+        return cache, tokens
 
     def _problem(self, cache: list, meta: dict, length: int, shared: list[int]) -> str | None:
         """Why a loaded entry of `length` tokens, which should begin with `shared`, must not be used."""

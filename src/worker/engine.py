@@ -63,6 +63,7 @@ import time
 from collections import deque
 
 import mlx.core as mx
+import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load
@@ -109,6 +110,8 @@ from .sequence import (
     reseed,
 )
 from .solo import Draft, Solo
+
+log = structlog.get_logger("mlxrt.worker")
 
 SYNTHETIC_PREFIX = "synthetic:"
 WARMUP_PROMPT = "Warm up the kernels."
@@ -188,6 +191,9 @@ class Engine(PromptBuilder, PrefillScheduler):
                                    else o.prompt_cache_bytes)
         self._disk = self._disk_tier()
         self.prefix_cache = self._new_prefix_cache()
+        #: Reading the disk tier's newest entries back into the memory tier while idle (`warm_step`,
+        #: started by `warmup`); None when there is nothing (more) to read.
+        self._warm = None
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
         self._pinned = None if o.prompt_cache_file is None else load_prompt_file(self, o.prompt_cache_file)
@@ -306,6 +312,7 @@ class Engine(PromptBuilder, PrefillScheduler):
     def close(self) -> None:
         """The worker is stopping: queue the prefixes not on disk yet, and write what the disk tier has
         queued (at most its flush timeout)."""
+        self._warm = None
         if self._disk is not None:  # both within one MLXRT_DISK_CACHE_FLUSH_S
             budget = flush_timeout()
             deadline = time.monotonic() + budget
@@ -361,6 +368,7 @@ class Engine(PromptBuilder, PrefillScheduler):
     def clear_cache(self) -> None:
         """Drop the prefix cache (but for a loaded prompt-cache file), then return MLX's cached buffers
         to the system."""
+        self._warm = None  # memory pressure: reading more into memory would undo the relief
         self.prefix_cache.clear()
         mx.clear_cache()
         self._seed_prefix_cache()
@@ -430,6 +438,34 @@ class Engine(PromptBuilder, PrefillScheduler):
         if self.draft is not None:  # its rounds compiled: not the draft's speed
             self.draft.policy.reset()
         self.warmup_s = time.perf_counter() - t0
+        self._warm = self._start_warm()
+
+    def _start_warm(self):
+        """Warming's generator (`PrefixCache.warm`) for the options' budget: prompt_cache_warm_bytes,
+        else half the memory tier's cap; None without a disk tier or a budget."""
+        o = self.options
+        budget = o.prompt_cache_warm_bytes
+        if budget is None:
+            budget = self.prompt_cache_bytes // 2
+        if self.prefix_cache.disk is None or budget <= 0:
+            return None
+        return self.prefix_cache.warm(budget)
+
+    @property
+    def warming(self) -> bool:
+        """Whether disk entries are still to be read back into memory while the engine is idle."""
+        return self._warm is not None
+
+    def warm_step(self) -> None:
+        """Read one more layer of the entry being warmed (on the MLX thread, while idle); the last step
+        ends warming. A failure ends it with a warning: warming is never worth a worker."""
+        try:
+            next(self._warm)
+        except StopIteration:
+            self._warm = None
+        except Exception as exc:
+            log.warning("disk_cache.warm_failed", error=f"{type(exc).__name__}: {exc}")
+            self._warm = None
 
     def _new_prefix_cache(self, *, disk: bool = True) -> PrefixCache:
         """An empty prefix cache over the disk tier (`disk`: a warm-up's has none: it is no prefix to

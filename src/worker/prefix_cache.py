@@ -154,6 +154,24 @@ class PrefixCache:
         self._lru.insert_cache(_MODEL_KEY, list(ids[: found.tokens]), kept, cache_type="user")
         return loaded, found.tokens
 
+    def warm(self, max_bytes: int):
+        """A generator that reads the disk tier's most recently used entries into the memory tier,
+        newest first, at most `max_bytes` of them (and never past the memory tier's cap), yielding
+        between any two layers' reads: the MLX thread runs it while idle and serves a request between
+        two steps. An entry that a request loaded meanwhile is not added twice."""
+        if self.disk is None or max_bytes <= 0:
+            return
+        for entry in self.disk.newest(min(max_bytes, self.max_bytes)):
+            used = entry.used
+            got = yield from self.disk.read_in_steps(entry)
+            if got is None or entry.used != used:  # not loadable, or a request's lookup loaded it
+                continue
+            cache, tokens = got
+            if self.nbytes + sum(c.nbytes for c in cache) > self.max_bytes:
+                return  # requests have filled the memory tier meanwhile: theirs come first
+            self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type="user")
+            self.disk.warmed += 1
+
     def _evicted(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
         """The memory tier dropped `entry`: to disk, if it is not there yet (`DiskTier.put` knows)."""
         self.disk.put(tokens, entry.prompt_cache, evicted=True, wait_until=self._spill_until)
@@ -218,5 +236,5 @@ class PrefixCache:
             report.disk_cache = DiskCacheReport(nbytes=d.nbytes, cap_bytes=d.max_bytes, entries=len(d),
                                                 hits=d.hits, writes=d.writes, removed=d.removed,
                                                 skipped=d.skipped, evicted_writes=d.evicted_writes,
-                                                lost=d.lost)
+                                                lost=d.lost, warmed=d.warmed)
         return report

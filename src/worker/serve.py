@@ -263,7 +263,7 @@ class Server:
                 while True:
                     held = self._held(time.perf_counter())
                     if (self._inbox and not held) or self._cancels or self._stopping or self._clear_cache \
-                            or engine.busy:
+                            or engine.busy or self._warming():
                         break
                     self._cond.wait(held or None)  # a hold ends by its deadline, or when more arrive
                 stopping, inbox, cancels, clear, dropped = self._take(held)
@@ -278,9 +278,17 @@ class Server:
                 engine.submit(req, self, queued_at=queued_at)
             for req_id in cancels:
                 engine.cancel(req_id)  # False: it already ended, and its end was sent
+            if not engine.busy and self._warming():  # idle: read one more layer of a disk entry back
+                engine.warm_step()
+                continue
             self._ended = 0
             engine.step()
             self._gather.ended(self._ended, time.perf_counter())
+
+    def _warming(self) -> bool:
+        """Whether the engine is reading disk entries back into memory (`Engine.warm_step`); engines
+        without a disk tier (vision, embeddings) never are."""
+        return getattr(self._engine, "warming", False)
 
     def _held(self, now: float) -> float:
         """How long the queued requests are still held back (under the lock); 0 when none are queued."""
