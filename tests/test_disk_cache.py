@@ -266,7 +266,9 @@ def test_metrics_show_the_prefix_cache_and_its_disk_tier(tmp_path, tiny_model):
         assert metric(http, "mlxrt_prompt_cache_bytes", **labels) > 0
         assert metric(http, "mlxrt_prompt_cache_disk_entries", **labels) >= 1
         assert metric(http, "mlxrt_prompt_cache_disk_bytes", **labels) > 0
-        assert 'mlxrt_prompt_cache_disk_evicted_writes_total{model="tiny"' in http.get("/metrics").text
+        text = http.get("/metrics").text
+        assert 'mlxrt_prompt_cache_disk_evicted_writes_total{model="tiny"' in text
+        assert 'mlxrt_prompt_cache_disk_warmed_total{model="tiny"' in text
 
 
 def test_a_cache_dir_that_is_a_file_is_refused_naming_the_flag(tmp_path, tiny_model):
