@@ -4,10 +4,15 @@ Each round takes a system prompt of its own (``--prefix-tokens`` of the syntheti
 finds another's prefix), then, each in a fresh `Runtime` of one worker (a restart):
 
 1. ``cold``: the first turn, with the disk tier in a new directory (nothing cached anywhere);
-2. ``disk``: the next turn, the runtime started again over that directory (the returning turn);
-3. ``memory-only``: the same next turn, started again without a disk tier (today's restart);
+2. ``disk``: the next turn, sent as soon as the runtime, started again over that directory, is ready
+   (the returning turn; the worker's lookup loads the prefix, or its warming has already read it);
+3. ``disk-warmed``: the same, sent once the started worker has read the newest entries back into
+   its memory tier while idle (`EngineOptions.prompt_cache_warm_bytes`; ``warm_s``: from ready to
+   read back), as a turn a second or more after a restart finds it;
+4. ``memory-only``: the same next turn, started again without a disk tier (today's restart);
 
-steps 2 and 3 alternating which goes first. Figures: each turn's TTFT as the caller sees it (from
+steps 2-4 in an order that turns with the round, 2 and 3 each over a copy of the directory as the
+first turn left it. Figures: each turn's TTFT as the caller sees it (from
 the request to its first chunk: the worker's wait, the disk load and the prefill), and its cached
 prompt tokens; the returning turn's tokens must equal the memory-only turn's (greedy). The disk files
 were just written, so they are read from the OS's page cache, as after a server restart (not after a
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,12 +50,23 @@ from .peers import ServerProcess, free_port, sse_events
 STUDY = "disk-restart"
 
 
-def turn(model: str, messages: list[dict[str, str]], cache_dir: str | None, tokens: int) -> dict[str, Any]:
-    """One turn in a freshly started runtime; its TTFT (ms), cached tokens and ids."""
+def turn(model: str, messages: list[dict[str, str]], cache_dir: str | None, tokens: int, *,
+         warm_timeout_s: float | None = None) -> dict[str, Any]:
+    """One turn in a freshly started runtime; its TTFT (ms), cached tokens and ids. With
+    `warm_timeout_s`, the turn is sent once the worker has read a disk entry back into memory."""
     opts = EngineOptions(prompt_cache_dir=cache_dir)
     t0 = time.perf_counter()
+    warm_s = None
     with Runtime(model=model, engine=opts) as rt:
         started = time.perf_counter() - t0
+        if warm_timeout_s is not None:
+            deadline = time.monotonic() + warm_timeout_s
+            while not any(m.disk_cache and m.disk_cache.warmed for m in rt.memory()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no disk entry read back within {warm_timeout_s:g} s "
+                                       "(--warm-timeout-s)")
+                time.sleep(0.05)
+            warm_s = time.perf_counter() - t0 - started
         sent = time.perf_counter()
         stream = rt.stream(messages, max_tokens=tokens, temperature=0.0, ignore_eos=True)
         ids: list[int] = []
@@ -63,7 +80,8 @@ def turn(model: str, messages: list[dict[str, str]], cache_dir: str | None, toke
     return {"ttft_ms": (first - sent) * 1e3, "worker_queue_ms": stats.queue_ms,
             "worker_ttft_ms": stats.ttft_ms,
             "cached_tokens": stats.cached_tokens, "prompt_tokens": stats.prompt_tokens, "tokens": ids,
-            "start_s": started, "disk_cache_hits": sum(m.disk_cache.hits for m in memory if m.disk_cache)}
+            "start_s": started, "warm_s": warm_s,
+            "disk_cache_hits": sum(m.disk_cache.hits for m in memory if m.disk_cache)}
 
 
 VLLM_MLX_STOP_S = 300.0  # a SIGTERM'd vllm-mlx writes its whole prefix cache before it exits
@@ -145,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-tokens", type=int, default=3000, help="system prompt tokens (default 3000)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=8, help="tokens generated per turn (default 8)")
+    p.add_argument("--warm-timeout-s", type=float, default=120.0,
+                   help="how long the disk-warmed turn waits for its worker to read an entry back (s)")
     p.add_argument("--peers", default="", help="peers to run in the same rounds, comma-separated: vllm-mlx")
     runner.add_json_arg(p, study=STUDY)
     args = p.parse_args(argv)
@@ -159,27 +179,38 @@ def main(argv: list[str] | None = None) -> int:
         first = [{"role": "system", "content": system}, {"role": "user", "content": f"Round {r}: hello."}]
         later = [*first, {"role": "assistant", "content": "Hello."},
                  {"role": "user", "content": "And what comes next?"}]
-        order = ["disk", "memory-only"] if r % 2 == 0 else ["memory-only", "disk"]
+        turns = ["disk", "disk-warmed", "memory-only"]
+        order = turns[r % 3:] + turns[: r % 3]
         with tempfile.TemporaryDirectory(prefix="mlxrt-disk-") as d:
-            row: dict[str, Any] = {"cold": turn(path, first, d, args.tokens)}
+            row: dict[str, Any] = {"cold": turn(path, first, f"{d}/first", args.tokens)}
             for name in order:
-                row[name] = turn(path, later, d if name == "disk" else None, args.tokens)
-        row["identical"] = row["disk"]["tokens"] == row["memory-only"]["tokens"]
-        print(f"round {r}: cold {row['cold']['ttft_ms']:.0f} ms, disk {row['disk']['ttft_ms']:.0f} ms "
-              f"({row['disk']['cached_tokens']} cached), memory-only {row['memory-only']['ttft_ms']:.0f} ms, "
-              f"identical={row['identical']}", flush=True)
+                if name == "memory-only":
+                    row[name] = turn(path, later, None, args.tokens)
+                    continue
+                shutil.copytree(f"{d}/first", f"{d}/{name}")  # the directory as the first turn left it
+                row[name] = turn(path, later, f"{d}/{name}", args.tokens,
+                                 warm_timeout_s=args.warm_timeout_s if name == "disk-warmed" else None)
+        disk, warm, mem = row["disk"], row["disk-warmed"], row["memory-only"]
+        row["identical"] = disk["tokens"] == warm["tokens"] == mem["tokens"]
+        print(f"round {r}: cold {row['cold']['ttft_ms']:.0f} ms, disk {disk['ttft_ms']:.0f} ms "
+              f"({disk['cached_tokens']} cached), disk-warmed {warm['ttft_ms']:.0f} ms "
+              f"({warm['cached_tokens']} cached, read back in {warm['warm_s']:.2f} s), "
+              f"memory-only {mem['ttft_ms']:.0f} ms, identical={row['identical']}", flush=True)
         if "vllm-mlx" in peers:
-            row["vllm-mlx"] = peer_rounds(path, first, later, order, args.tokens)
+            row["vllm-mlx"] = peer_rounds(path, first, later, [t for t in order if t != "disk-warmed"],
+                                          args.tokens)
         rounds.append(row)
     figures = {name: runner.span([r[name]["ttft_ms"] for r in rounds], ".0f")
-               for name in ("cold", "disk", "memory-only")}
-    ratios = [r["disk"]["ttft_ms"] / r["memory-only"]["ttft_ms"] for r in rounds
-              if r["memory-only"]["ttft_ms"]]
+               for name in ("cold", "disk", "disk-warmed", "memory-only")}
+    ratios = [r["disk"]["ttft_ms"] / r["memory-only"]["ttft_ms"] for r in rounds]
+    warmed = [r["disk-warmed"]["ttft_ms"] / r["memory-only"]["ttft_ms"] for r in rounds]
+    warm_s = runner.span([r["disk-warmed"]["warm_s"] for r in rounds], ".2f")
     print(f"\nTTFT ms, median [min-max] over {args.rounds} rounds, prompt "
           f"{rounds[0]['disk']['prompt_tokens']} tokens:")
     for name, text in figures.items():
         print(f"  {name:<12} {text}")
     print(f"  disk / memory-only: {runner.span(ratios, '.3f')}")
+    print(f"  disk-warmed / memory-only: {runner.span(warmed, '.3f')} (read back {warm_s} s after ready)")
     peer_doc = {peer: peer_figures(rounds, peer) for peer in sorted(peers)}
     for peer, figs in peer_doc.items():
         print(f"{peer}, same rounds:")
@@ -188,13 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": STUDY, "env": runner.environment(), "args": vars(args),
            "rounds": [{k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
                        for k, v in r.items()} for r in rounds],
-           "ttft_ms": figures, "disk_over_memory_only": runner.span(ratios, ".3f"), "peers": peer_doc}
+           "ttft_ms": figures, "disk_over_memory_only": runner.span(ratios, ".3f"),
+           "warmed_over_memory_only": runner.span(warmed, ".3f"), "warm_s": warm_s, "peers": peer_doc}
     status = "ok" if all(r["identical"] for r in rounds) else "tokens differ"
     if not all(f["identical"] for f in peer_doc.values()):
         status += "; a peer's returning turns differ"
     runner.finish(doc, runner.json_path(args.json, STUDY),
                   {"benchmark": STUDY, "status": status, "ttft_ms": figures,
-                   "disk_over_memory_only": runner.span(ratios, ".3f")})
+                   "disk_over_memory_only": runner.span(ratios, ".3f"),
+                   "warmed_over_memory_only": runner.span(warmed, ".3f")})
     return 0 if status == "ok" else 1
 
 
