@@ -30,17 +30,22 @@ def probe(tiny_model: str, cache, **env: str) -> dict:
 
 
 def test_the_table_from_disk_is_transformers_own(tiny_model, tmp_path):
-    """The first process builds and stores the table, the next reads it without scanning a file; both see
-    the names and tokenizer transformers gives without the cache; a corrupt copy is rebuilt, not trusted."""
-    own = probe(tiny_model, tmp_path / "off", MLXRT_TRANSFORMERS_INDEX="0")
+    """The first process builds the table with transformers' own code and stores it; the next reads it
+    without scanning a file and sees the same names and tokenizer; a corrupt copy is rebuilt, not trusted."""
     first = probe(tiny_model, tmp_path)
     stored = sorted((tmp_path / "mlxrt" / "transformers-index").iterdir())
     second = probe(tiny_model, tmp_path)
-    assert own["scans"] > 0 and first["scans"] > 0 and second["scans"] == 0
-    assert first["names"] == second["names"] == own["names"] and first["ids"] == second["ids"] == own["ids"]
-    assert stored and not (tmp_path / "off").exists()
+    assert first["scans"] > 0 and second["scans"] == 0 and stored
+    assert first["names"] == second["names"] and first["ids"] == second["ids"]
+    assert "AutoTokenizer" in first["names"] and "LlamaConfig" in first["names"]
     for f in stored:
         f.write_bytes(b"not a pickle")
     again = probe(tiny_model, tmp_path)
-    assert again["scans"] > 0 and again["names"] == own["names"]
-    assert sorted(f.read_bytes() != b"not a pickle" for f in stored) == [True] * len(stored)
+    assert again["scans"] > 0 and again["names"] == first["names"]
+    assert all(f.read_bytes() != b"not a pickle" for f in stored)
+
+
+def test_off_leaves_the_cache_alone(tiny_model, tmp_path):
+    """MLXRT_TRANSFORMERS_INDEX=0: transformers scans as it always did and nothing is written."""
+    own = probe(tiny_model, tmp_path, MLXRT_TRANSFORMERS_INDEX="0")
+    assert own["scans"] > 0 and "AutoTokenizer" in own["names"] and not (tmp_path / "mlxrt").exists()
