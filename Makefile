@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml setup.py
 	if $(PYTHON) -m pip --python $(PY) install -q uv; then \
 	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e ".[$(EXTRAS)]" pip; \
 	else \
-	  $(PY) -m ensurepip -q && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[$(EXTRAS)]"; \
+	  $(PY) -m ensurepip > /dev/null && $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[$(EXTRAS)]"; \
 	fi
 	touch $@
 
