@@ -14,9 +14,13 @@ match no marker run as usual.
 import json
 import os
 
-from forcing import forced, prefixed, reply_ids
-from mlxrt.worker import engine as engine_module
-from mlxrt.worker.main import main
+from mlxrt.worker.hf_index import remember_transformers_index
+
+remember_transformers_index()  # as the worker does, before the engine's imports bring in transformers
+
+from forcing import forced, prefixed, reply_ids  # noqa: E402
+from mlxrt.worker import engine as engine_module  # noqa: E402
+from mlxrt.worker.main import main  # noqa: E402
 
 SCRIPT = json.loads(os.environ["SCRIPTED_REPLIES"])
 _sequences = engine_module.Engine._sequences

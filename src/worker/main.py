@@ -39,6 +39,7 @@ from ..ipc.channel import ChannelClosed, Receiver, Sender
 from ..ipc.protocol import PROTOCOL_VERSION, Attached, Fatal, Hello, Ready, worker_codec
 from ..ipc.stdio import PipeReceiver, PipeSender
 from .group import join
+from .hf_index import remember_transformers_index
 from .serve import Outbox, Server
 
 DEFAULT_HELLO_TIMEOUT_S = 30.0
@@ -175,6 +176,7 @@ def main() -> None:
     try:
         started = time.perf_counter()
         _hide_torch()
+        remember_transformers_index()  # 0.3 s of CPU a start: transformers' table of models, from disk
         if hello.group is not None:  # before MLX is imported: it sets what MLX reads (CUDA_VISIBLE_DEVICES)
             group = join(hello.group, tx, log)
         from .embed import Embedder, embedding_spec, local_model_path
