@@ -39,10 +39,10 @@ def test_the_table_from_disk_is_transformers_own(tiny_model, tmp_path):
     assert first["names"] == second["names"] and first["ids"] == second["ids"]
     assert "AutoTokenizer" in first["names"] and "LlamaConfig" in first["names"]
     for f in stored:
-        f.write_bytes(b"not a pickle")
+        f.write_bytes(b"not a table")
     again = probe(tiny_model, tmp_path)
     assert again["scans"] > 0 and again["names"] == first["names"]
-    assert all(f.read_bytes() != b"not a pickle" for f in stored)
+    assert all(f.read_bytes() != b"not a table" for f in stored)
 
 
 def test_off_leaves_the_cache_alone(tiny_model, tmp_path):

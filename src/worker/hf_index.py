@@ -10,7 +10,8 @@ write it under the user's cache directory; later ones read it (a few ms).
 The table is keyed by the transformers release and the folder's path and modification time (a model
 added to an editable checkout changes it). Anything unexpected (another transformers layout, an
 unreadable or unwritable cache) falls back to transformers' own code: the cache can only save time.
-MLXRT_TRANSFORMERS_INDEX=0 turns it off.
+MLXRT_TRANSFORMERS_INDEX=0 turns it off. The file is JSON (its sets and frozensets tagged), never
+pickle: a cache file is read back as data only.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
+import json
 import os
-import pickle
 import sys
 import tempfile
 import zlib
@@ -84,7 +85,7 @@ class _Remembered:
             return self._build(module_path, prefix)
         if key in self._memo:
             return self._memo[key]
-        file = cache_dir() / f"{_release()}-{zlib.crc32(repr(key[:2]).encode()):08x}.pickle"
+        file = cache_dir() / f"{_release()}-{zlib.crc32(repr(key[:2]).encode()):08x}.json"
         table = _read(file, key)
         if table is None:
             table = self._build(module_path, prefix)
@@ -98,13 +99,34 @@ def _release() -> str:
     return str(getattr(sys.modules.get("transformers"), "__version__", "unknown"))
 
 
+def _encode(x):
+    """transformers' table as JSON values: dicts as key-value pairs, sets and frozensets tagged."""
+    if isinstance(x, dict):
+        return {"d": [[_encode(k), _encode(v)] for k, v in x.items()]}
+    if isinstance(x, (set, frozenset)):
+        return {"f" if isinstance(x, frozenset) else "s": sorted(x)}
+    if isinstance(x, str):
+        return x
+    raise TypeError(f"unexpected {type(x).__name__} in transformers' table")
+
+
+def _decode(x):
+    if isinstance(x, str):
+        return x
+    if "d" in x:
+        return {_decode(k): _decode(v) for k, v in x["d"]}
+    return frozenset(x["f"]) if "f" in x else set(x["s"])
+
+
 def _read(file: Path, key: tuple):
     try:
-        with open(file, "rb") as f:
-            stored_key, table = pickle.load(f)
-    except Exception:  # absent, half-written by an older release, unreadable: build it instead
+        with open(file, encoding="utf-8") as f:
+            stored = json.load(f)
+        if stored["key"] != list(key):
+            return None
+        return _decode(stored["table"])
+    except Exception:  # absent, half-written, another layout, unreadable: build it instead
         return None
-    return table if stored_key == key else None
 
 
 def _write(file: Path, key: tuple, table) -> None:
@@ -114,9 +136,9 @@ def _write(file: Path, key: tuple, table) -> None:
     except OSError:
         return  # a read-only cache only costs the time it would have saved
     try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump((key, table), f, protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"key": list(key), "table": _encode(table)}, f)
         os.replace(tmp, file)  # whole or absent: processes starting at once each write their own copy
-    except Exception:  # a full disk, a table pickle cannot hold: transformers' answer stands
+    except Exception:  # a full disk, a table of another layout: transformers' answer stands
         with contextlib.suppress(OSError):
             os.unlink(tmp)
