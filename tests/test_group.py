@@ -93,6 +93,20 @@ def test_workers_show_the_group_and_its_ranks(group):
     assert all(psutil.pid_exists(r.pid) for r in w.ranks)
 
 
+def test_an_idle_groups_ranks_sleep_instead_of_polling(group, single):
+    """Between requests rank k > 0 waits for rank 0's next step in the OS (the wake-up semaphore), not
+    in MLX's collective, which polls: it used a whole core while the group sat idle. Requests still
+    get one process's ids after the idle spell."""
+    group.generate("Before the idle spell", max_tokens=4)
+    procs = [psutil.Process(r.pid) for r in group.workers[0].ranks]
+    before, t0 = [sum(p.cpu_times()[:2]) for p in procs], time.monotonic()
+    time.sleep(3.0)  # three of rank 0's heartbeats
+    spell = time.monotonic() - t0
+    used = sum(procs[1].cpu_times()[:2]) - before[1]
+    assert used < 0.25 * spell, f"rank 1 used {used / spell:.2f} of a core while idle"
+    assert group.generate(REQUESTS[0][0], ignore_eos=True, **REQUESTS[0][1]).tokens == single[0]
+
+
 def test_cancel_keeps_the_ranks_in_step(group):
     """A cancelled stream ends as cancelled; the next requests still get one process's ids."""
     want = group.generate("After the cancel", max_tokens=8, ignore_eos=True).tokens

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
-#: 12: EngineOptions.prompt_cache_warm_bytes, DiskCacheReport.warmed (disk entries read back while idle).
+#: 12: EngineOptions.prompt_cache_warm_bytes, DiskCacheReport.warmed (disk entries read back while idle);
+#: GroupRank.wake.
 #: 11: DiskCacheReport.evicted_writes and lost (prefixes written, or not, as they left memory).
 #: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
 #: EngineReport.prefill_calls and prefill_batched.
@@ -502,6 +503,9 @@ class GroupRank(msgspec.Struct, kw_only=True):
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     #: Longest wait for the other ranks to connect, when the group starts.
     connect_timeout_s: float = MIN_CONNECT_TIMEOUT_S
+    #: The group's wake-up semaphore (`ipc/wake.py`), where every rank runs on this machine: rank 0
+    #: posts it as it shares a step, the others wait on it instead of polling in MLX's collective.
+    wake: str | None = None
 
 
 class RingSpec(msgspec.Struct, frozen=True):

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 import structlog
 
+from ..ipc import wake
 from ..ipc.channel import ChannelClosed, ChannelCorrupt
 from ..ipc.protocol import (
     DEFAULT_HEARTBEAT_S,
@@ -93,19 +94,30 @@ class GroupHandle(WorkerHandle):
         self._launch: list[RankLaunch] = []
         #: Stopping or killed on purpose, or already dying: a rank's exit is expected.
         self._ending = False
+        #: The wake-up semaphore's name until every rank has opened it (`_forget_wake`).
+        self._wake: str | None = None
         super().__init__(model, **kwargs)
 
     # -- start ----------------------------------------------------------------------------
     def _spawn(self, warmup_tokens: int, cache_limit_bytes: int | None) -> None:
         self._launch = self.plan.launch()
-        super()._spawn(warmup_tokens, cache_limit_bytes)  # rank 0, through the two hooks below
+        # Ranks on this machine wait for rank 0's steps in the OS, not polling (ipc/wake.py).
+        self._wake = wake.create() if all(spec.host is None for spec in self._launch) else None
         try:
+            super()._spawn(warmup_tokens, cache_limit_bytes)  # rank 0, through the two hooks below
             for spec in self._launch[1:]:
                 self._ranks.append(self._start_rank(spec, warmup_tokens, cache_limit_bytes))
         except (OSError, subprocess.SubprocessError) as exc:  # no ssh, say, or rank 0 already gone
+            self._forget_wake()
             self.kill()
             raise ModelLoadError(f"worker group for model {self.model!r}: could not start rank "
                                  f"{len(self._ranks) + 1}: {exc}") from exc
+
+    def _forget_wake(self) -> None:
+        """Unlink the wake-up semaphore's name: every rank has opened it, or none will."""
+        if self._wake is not None:
+            wake.unlink(self._wake)
+            self._wake = None
 
     def _hello_extra(self) -> dict:
         return {"group": self._rank_spec(self._launch[0])}
@@ -117,7 +129,8 @@ class GroupHandle(WorkerHandle):
         return GroupRank(rank=spec.rank, size=self.plan.size, backend=self.plan.backend,
                          sharding=self.plan.sharding, env=spec.env, files=spec.files,
                          collective_timeout_s=self._timeouts.collective_s, heartbeat_s=DEFAULT_HEARTBEAT_S,
-                         connect_timeout_s=max(self._timeouts.collective_s, MIN_CONNECT_TIMEOUT_S))
+                         connect_timeout_s=max(self._timeouts.collective_s, MIN_CONNECT_TIMEOUT_S),
+                         wake=self._wake)
 
     def _start_rank(self, spec: RankLaunch, warmup_tokens: int, cache_limit_bytes: int | None) -> _Rank:
         proc = subprocess.Popen(
@@ -153,14 +166,17 @@ class GroupHandle(WorkerHandle):
         When another rank failed first, the error is that rank's.
         """
         try:
-            return super().wait_ready()
+            ready = super().wait_ready()
         except (ModelLoadError, MlxrtTimeout) as exc:
+            self._forget_wake()
             self.kill()
             why = self._kill_reason
             # No cause: rank 0 sent a Fatal saying why; else it was killed for another rank's failure.
             if why is None or (isinstance(exc, ModelLoadError) and exc.__cause__ is None):
                 raise
             raise ModelLoadError(f"worker group for model {self.model!r} failed to start: {why}") from exc
+        self._forget_wake()  # rank 0 is ready after every rank joined, so each has it open
+        return ready
 
     # -- the other ranks ----------------------------------------------------------------------
     def _watch(self, rank: _Rank, rx: PipeReceiver) -> None:
@@ -195,6 +211,7 @@ class GroupHandle(WorkerHandle):
 
     def _kill_all(self) -> None:
         """SIGKILL every rank: the process group, then each process."""
+        self._forget_wake()
         if self.proc.returncode is None:  # the leader is not reaped: the group id is still ours
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

@@ -23,7 +23,10 @@ This is what `mlx_lm.server` does for distributed serving
 one collective per step rather than two (the frame rides in a fixed-size
 head, `HEAD_BYTES`; a longer one takes a second), on the model's own stream,
 and one iteration late, so that no rank waits for it (`Lockstep`). An idle
-rank 0 still shares an empty step every `heartbeat_s`.
+rank 0 still shares an empty step every `heartbeat_s`. MLX's collectives wait
+by polling, so where every rank runs on this machine the others sleep on a
+semaphore rank 0 posts as it shares each step (`ipc/wake.py`) before they
+join that step's collective: an idle group costs no core.
 
 The ranks agree on one random seed when they join, so their samplers draw the
 same tokens, and the prefix cache evicts by the group's bytes (`total`).
@@ -71,6 +74,7 @@ from ..ipc.protocol import (
     step_codec,
     worker_codec,
 )
+from ..ipc.wake import Wake
 from .serve import Server
 
 #: A step's frame up to this size (with its 4-byte length) costs one all_sum: every decode step's,
@@ -132,6 +136,9 @@ class RankGroup:
         self.watchdog = watchdog
         self._log = log
         self._codec = step_codec()
+        #: Where every rank is on this machine: rank 0 posts as it shares a step, the others wait on it
+        #: before reading one (ipc/wake.py), so that an idle rank sleeps instead of polling.
+        self.wake = Wake(spec.wake) if spec.wake else None
 
     # -- what the engine asks of the group --------------------------------------------------
     def load(self, path: str):
@@ -242,8 +249,15 @@ class Lockstep:
             head[:4] = np.frombuffer(len(payload).to_bytes(4, "little"), np.uint8)
             part = payload[: HEAD_BYTES - 4]
             head[4 : 4 + len(part)] = np.frombuffer(part, np.uint8)
+        wake = self._group.wake
+        if wake is not None and not self._lead:
+            # Asleep until rank 0 shares this iteration's step: a queued collective polls from the
+            # moment MLX runs it. Past the limit, poll as before (the watchdog still watches).
+            wake.wait(self._group.spec.collective_timeout_s)
         self._head = self._group._all_sum(mx.array(head))
         mx.async_eval(self._head)
+        if wake is not None and self._lead:  # the others may now join this iteration's collective
+            wake.post(self._group.size - 1)
         self._keep = (self._head, *self._keep[:1])  # rank 0 reads none of its shares: hold them a while
         self._step, self._payload = step or _EMPTY, payload
         return previous
