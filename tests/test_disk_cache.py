@@ -542,5 +542,49 @@ def test_a_prefix_a_slightly_longer_entry_covers_is_not_written_and_is_served_tr
     assert loaded is not None and {c.offset for c in loaded} == {40}
     tier.close()
     rotating = DiskTier(str(tmp_path / "rotating"), "id", 1 << 30, kinds=["RotatingKVCache"])
-    assert not rotating.trimmable
+    rotating.put(system, kv_cache(40))
+    rotating.put(chat, kv_cache(48))
+    assert rotating.flush(timeout=60) and not rotating.trimmable
+    assert sorted(e.tokens for e in rotating._entries.values()) == [40, 48]  # each written: no cover
+    assert rotating.find([*system, 9, 9], 0).tokens == 40  # the exact checkpoint, never a trimmed one
     rotating.close()
+
+
+def test_an_evicted_prefix_a_new_write_covers_keeps_its_claim_to_the_queue(tmp_path):
+    """A queued write of a prefix memory has dropped, withdrawn because a longer new write covers it, passes
+    its claim on: the new write is not one a later evicted prefix may withdraw (it holds the only copy)."""
+    from mlxrt.worker.disk_cache import DiskTier
+
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    paused = PausedWriter(tier)
+    tier.put([1] * 40, kv_cache(40))
+    assert paused.inside.wait(30)
+    tier.put([7] * 40, kv_cache(40), evicted=True)
+    tier.put([7] * 40 + [8] * 8, kv_cache(48))  # a write-through that covers it
+    assert [(len(w.tokens), w.evicted) for w in tier._waiting] == [(48, True)]
+    paused.release()
+    assert tier.flush(timeout=60)
+    tier.close()
+
+
+@pytest.mark.parametrize("tokens", ['"5"', "[99999999999999999999999]", '["a"]', "{}"],
+                         ids=["scalar", "past-int64", "strings", "object"])
+def test_an_entry_header_of_another_shape_is_no_entry_to_share_with(tmp_path, tokens):
+    """A file named as an entry whose header's token ids are not a list of ids (damaged, foreign): a
+    trimming lookup and a write's cover check pass it by; requests are served and the tier stays on."""
+    import struct
+
+    from mlxrt.worker.disk_cache import TOKENS_KEY, DiskTier
+
+    tier = DiskTier(str(tmp_path), "id", 1 << 30, kinds=["KVCache"])
+    header = json.dumps({"__metadata__": {f"0.{TOKENS_KEY}": tokens}}).encode()
+    (tier.dir / f"50-{'f' * 40}.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    listed = b"[1, 2]"  # a header that is not an object at all
+    (tier.dir / f"51-{'e' * 40}.safetensors").write_bytes(struct.pack("<Q", len(listed)) + listed)
+    tier._scan()
+    assert tier.find([3] * 60, 0) is None
+    tier.put([3] * 40, kv_cache(40))  # its cover check reads the same headers
+    assert tier.flush(timeout=60) and tier.enabled
+    found = tier.find([3] * 41, 0)
+    assert found is not None and found.tokens == 40 and tier.load(found, [3] * 41) is not None
+    tier.close()

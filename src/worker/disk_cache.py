@@ -58,6 +58,7 @@ import threading
 import time
 from array import array
 from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,17 +175,21 @@ def _digest(ids: list[int]) -> str:
 
 def _header_ids(path: Path) -> np.ndarray:
     """The token ids in an entry file's safetensors header, without reading its tensors; empty if the
-    header does not read or holds none."""
+    header does not read or holds no list of ids (a foreign or damaged file is no entry to share with)."""
+    none = np.zeros(0, np.int64)
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > _MAX_HEADER:
-                return np.zeros(0, np.int64)
+                return none
             meta = json.loads(f.read(size)).get("__metadata__") or {}
         text = next((v for k, v in meta.items() if k.rpartition(".")[2] == TOKENS_KEY), "[]")
-        return np.asarray(json.loads(text), dtype=np.int64)
-    except (OSError, ValueError, TypeError, struct.error):
-        return np.zeros(0, np.int64)
+        ids = json.loads(text)
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            return none
+        return np.asarray(ids, dtype=np.int64)
+    except Exception:  # unreadable, not JSON, ids past int64, a header of another shape
+        return none
 
 
 def _covers(longer: list[int], tokens: list[int]) -> bool:
@@ -247,6 +252,8 @@ class DiskTier:
         self.evicted_writes = 0
         #: Entries read back into the memory tier by warming (`PrefixCache.warm`).
         self.warmed = 0
+        #: Digests of the entries requests' lookups have loaded (warming skips them).
+        self.loaded: set[str] = set()
         self._thread: threading.Thread | None = None
         if not self.enabled:
             if max_bytes > 0:
@@ -361,6 +368,7 @@ class DiskTier:
             rate = entry.nbytes / seconds
             self.read_bps = rate if self.read_bps is None else 0.5 * self.read_bps + 0.5 * rate
         entry.used, entry.verified = time.time(), True
+        self.loaded.add(entry.digest)
         try:
             os.utime(entry.path)
         except OSError:
@@ -382,7 +390,7 @@ class DiskTier:
                 total += e.nbytes
         return chosen
 
-    def read_in_steps(self, entry: Entry):
+    def read_in_steps(self, entry: Entry) -> Generator[None, None, tuple[list, list[int]] | None]:
         """A generator that reads `entry`'s cache one layer at a time, yielding between layers (MLX's
         load is lazy: each layer's arrays are read as they are evaluated), and returns the cache and
         its token ids, checked as `load` checks them, or None (removed with a warning where it does not
@@ -393,6 +401,10 @@ class DiskTier:
                 mx.eval(c.state)
                 yield
             tokens = json.loads(meta.get(TOKENS_KEY, "null"))
+            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens) \
+                    or _digest(tokens) != entry.digest:
+                self._remove(entry, "its token ids are not the prefix its name says")
+                return None
         except FileNotFoundError:
             with self._lock:
                 self._entries.pop(entry.digest, None)
@@ -467,6 +479,7 @@ class DiskTier:
             if self.trimmable:  # queued shorter prefixes this one covers: written as part of it
                 for w in [w for w in self._waiting if _covers(tokens, w.tokens)]:
                     self._waiting.remove(w)
+                    evicted = evicted or w.evicted  # its only home now: it may not be withdrawn
             self._waiting.append(_Write(list(tokens), digest, snapshot, nbytes, evicted))
             self._changed.notify_all()
 

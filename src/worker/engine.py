@@ -61,6 +61,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import mlx.core as mx
 import structlog
@@ -193,7 +194,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.prefix_cache = self._new_prefix_cache()
         #: Reading the disk tier's newest entries back into the memory tier while idle (`warm_step`,
         #: started by `warmup`); None when there is nothing (more) to read.
-        self._warm = None
+        self._warm: Iterator[None] | None = None
         #: A prompt's cache loaded from `prompt_cache_file`: its tokens and its cache, kept to seed
         #: the prefix cache again whenever it is emptied.
         self._pinned = None if o.prompt_cache_file is None else load_prompt_file(self, o.prompt_cache_file)
@@ -412,6 +413,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         nothing, so it skips the GPU's prompts.
         """
         if tokens <= 0:
+            self._warm = self._start_warm()
             return
         t0 = time.perf_counter()
         self.prefix_cache = self._new_prefix_cache(disk=False)  # warm-up prompts are no prefix to keep
@@ -440,7 +442,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.warmup_s = time.perf_counter() - t0
         self._warm = self._start_warm()
 
-    def _start_warm(self):
+    def _start_warm(self) -> Iterator[None] | None:
         """Warming's generator (`PrefixCache.warm`) for the options' budget: prompt_cache_warm_bytes,
         else half the memory tier's cap; None without a disk tier or a budget."""
         o = self.options

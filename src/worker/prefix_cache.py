@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import LRUPromptCache, PromptTrie, can_trim_prompt_cache, trim_prompt_cache
@@ -154,7 +154,7 @@ class PrefixCache:
         self._lru.insert_cache(_MODEL_KEY, list(ids[: found.tokens]), kept, cache_type="user")
         return loaded, found.tokens
 
-    def warm(self, max_bytes: int):
+    def warm(self, max_bytes: int) -> Iterator[None]:
         """A generator that reads the disk tier's most recently used entries into the memory tier,
         newest first, at most `max_bytes` of them (and never past the memory tier's cap), yielding
         between any two layers' reads: the MLX thread runs it while idle and serves a request between
@@ -162,15 +162,20 @@ class PrefixCache:
         if self.disk is None or max_bytes <= 0:
             return
         for entry in self.disk.newest(min(max_bytes, self.max_bytes)):
-            used = entry.used
+            if not self._room_to_warm(entry.nbytes) or entry.digest in self.disk.loaded:
+                continue  # requests have filled the memory tier meanwhile (theirs come first), or loaded it
             got = yield from self.disk.read_in_steps(entry)
-            if got is None or entry.used != used:  # not loadable, or a request's lookup loaded it
+            if got is None or entry.digest in self.disk.loaded:  # not loadable, or a request loaded it
                 continue
             cache, tokens = got
-            if self.nbytes + sum(c.nbytes for c in cache) > self.max_bytes:
-                return  # requests have filled the memory tier meanwhile: theirs come first
+            if not self._room_to_warm(sum(c.nbytes for c in cache)):
+                continue
             self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type="user")
             self.disk.warmed += 1
+
+    def _room_to_warm(self, nbytes: int) -> bool:
+        """Whether a warmed entry of `nbytes` fits beside what is kept, evicting nothing (bytes, count)."""
+        return self.nbytes + nbytes <= self.max_bytes and len(self._lru) < MAX_ENTRIES
 
     def _evicted(self, tokens: list[int], entry: LRUPromptCache.CacheEntry) -> None:
         """The memory tier dropped `entry`: to disk, if it is not there yet (`DiskTier.put` knows)."""
