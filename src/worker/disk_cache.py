@@ -110,9 +110,15 @@ class Entry:
     #: Written or loaded by this process: known whole. An entry found on disk is rewritten when this
     #: process keeps the same prefix (it may be a torn or foreign file).
     verified: bool = False
-    #: Its token ids, once known (written here, or read from its header by a trimming lookup); an
-    #: empty array where the header would not read.
+    #: Its token ids, once known (written here, or read from its header by `shared`); an empty array
+    #: where the header would not read.
     ids: np.ndarray | None = None
+
+    def shared(self, prompt: np.ndarray) -> int:
+        """How many leading ids of `prompt` this entry holds (its header read the first time)."""
+        if self.ids is None:
+            self.ids = _header_ids(self.path)
+        return _shared(self.ids, prompt)
 
 
 @dataclass
@@ -173,23 +179,28 @@ def _digest(ids: list[int]) -> str:
     return _digests(ids, [len(ids)])[len(ids)]
 
 
+def _stored_ids(text: object) -> list[int] | None:
+    """The token ids an entry's metadata holds (JSON text), or None where it holds no list of ids."""
+    try:
+        ids = json.loads(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
+
+
 def _header_ids(path: Path) -> np.ndarray:
     """The token ids in an entry file's safetensors header, without reading its tensors; empty if the
     header does not read or holds no list of ids (a foreign or damaged file is no entry to share with)."""
-    none = np.zeros(0, np.int64)
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if size > _MAX_HEADER:
-                return none
+                return np.zeros(0, np.int64)
             meta = json.loads(f.read(size)).get("__metadata__") or {}
-        text = next((v for k, v in meta.items() if k.rpartition(".")[2] == TOKENS_KEY), "[]")
-        ids = json.loads(text)
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            return none
-        return np.asarray(ids, dtype=np.int64)
+        ids = _stored_ids(next((v for k, v in meta.items() if k.rpartition(".")[2] == TOKENS_KEY), None))
+        return np.asarray(ids or [], dtype=np.int64)
     except Exception:  # unreadable, not JSON, ids past int64, a header of another shape
-        return none
+        return np.zeros(0, np.int64)
 
 
 def _covers(longer: list[int], tokens: list[int]) -> bool:
@@ -309,9 +320,7 @@ class DiskTier:
         prompt = np.asarray(ids, dtype=np.int64)
         best: Found | None = None
         for e in candidates:
-            if e.ids is None:
-                e.ids = _header_ids(e.path)
-            n = min(_shared(e.ids, prompt), len(ids) - 1)
+            n = min(e.shared(prompt), len(ids) - 1)
             if n < e.tokens and n > max(longer_than, MIN_TOKENS - 1) and (best is None or n > best.tokens):
                 best = Found(e, n)
         return best
@@ -346,14 +355,10 @@ class DiskTier:
         try:
             cache, meta = load_prompt_cache(str(entry.path), return_metadata=True)
             mx.eval([c.state for c in cache])
-        except FileNotFoundError:  # evicted meanwhile, by this process or another worker: a miss
-            with self._lock:
-                self._entries.pop(entry.digest, None)
+        except Exception as exc:
+            self._unreadable(entry, exc)
             return None
-        except Exception as exc:  # truncated, corrupt, or not a cache file at all
-            self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
-            return None
-        problem = self._problem(cache, meta, entry.tokens, ids[: found.tokens])
+        problem = self._problem(cache, meta, entry, ids[: found.tokens])
         if problem:
             self._remove(entry, problem)
             return None
@@ -400,34 +405,33 @@ class DiskTier:
             for c in cache:
                 mx.eval(c.state)
                 yield
-            tokens = json.loads(meta.get(TOKENS_KEY, "null"))
-            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens) \
-                    or _digest(tokens) != entry.digest:
-                self._remove(entry, "its token ids are not the prefix its name says")
-                return None
-        except FileNotFoundError:
-            with self._lock:
-                self._entries.pop(entry.digest, None)
+        except Exception as exc:
+            self._unreadable(entry, exc)
             return None
-        except Exception as exc:  # truncated, corrupt, or not a cache file at all
-            self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
-            return None
-        problem = self._problem(cache, meta, entry.tokens, [])
+        problem = self._problem(cache, meta, entry, [])
         if problem:
             self._remove(entry, problem)
             return None
         entry.verified = True
-        return cache, tokens
+        return cache, _stored_ids(meta.get(TOKENS_KEY))
 
-    def _problem(self, cache: list, meta: dict, length: int, shared: list[int]) -> str | None:
-        """Why a loaded entry of `length` tokens, which should begin with `shared`, must not be used."""
+    def _unreadable(self, entry: Entry, exc: Exception) -> None:
+        """`entry` did not load: gone meanwhile (another worker evicted it) is a miss; anything else
+        (truncated, corrupt, not a cache file at all) removes it with a warning."""
+        if isinstance(exc, FileNotFoundError):
+            with self._lock:
+                self._entries.pop(entry.digest, None)
+        else:
+            self._remove(entry, f"does not load: {type(exc).__name__}: {exc}")
+
+    def _problem(self, cache: list, meta: dict, entry: Entry, shared: list[int]) -> str | None:
+        """Why a loaded `entry`, whose ids should begin with `shared`, must not be used."""
         if meta.get(IDENTITY_KEY) != self.identity:
             return "made by another model or other options"
-        try:
-            saved = json.loads(meta.get(TOKENS_KEY, "null"))
-        except ValueError:
-            saved = None
-        if not isinstance(saved, list) or len(saved) != length or saved[: len(shared)] != shared:
+        saved = _stored_ids(meta.get(TOKENS_KEY))
+        length = entry.tokens
+        if saved is None or len(saved) != length or _digest(saved) != entry.digest \
+                or saved[: len(shared)] != shared:
             return "its token ids are not the prefix its name says"
         kinds = [type(c).__name__ for c in cache]
         if [_QUANTIZED_AS.get(k, k) for k in kinds] != self.kinds:
@@ -492,12 +496,7 @@ class DiskTier:
         if any(_covers(q, tokens) for q in queued):
             return True
         prompt = np.asarray(tokens, dtype=np.int64)
-        for e in entries:
-            if e.ids is None:
-                e.ids = _header_ids(e.path)
-            if _shared(e.ids, prompt) == len(tokens):
-                return True
-        return False
+        return any(e.shared(prompt) == len(tokens) for e in entries)
 
     def _room(self, size: int, evicted: bool) -> bool:
         """Whether a write of `size` bytes may wait now. Past the queue's bounds (the writer is behind) a

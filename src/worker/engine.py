@@ -410,11 +410,15 @@ class Engine(PromptBuilder, PrefillScheduler):
         and a 24-token one (the matmul's tile follows the rows of a chunk)
         warm them, on the single-stream fast path and through the batch;
         `benchmarks/first_use.py` shows what is left. The CPU compiles
-        nothing, so it skips the GPU's prompts.
+        nothing, so it skips the GPU's prompts. Then, with a disk tier, warming
+        starts: the worker reads its newest prefixes back while idle (`warm_step`).
         """
-        if tokens <= 0:
-            self._warm = self._start_warm()
-            return
+        if tokens > 0:
+            self._compile_kernels(tokens)
+        self._warm = self._start_warm()
+
+    def _compile_kernels(self, tokens: int) -> None:
+        """Warm-up's prompts, through the paths a request takes (`warmup`)."""
         t0 = time.perf_counter()
         self.prefix_cache = self._new_prefix_cache(disk=False)  # warm-up prompts are no prefix to keep
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
@@ -440,7 +444,6 @@ class Engine(PromptBuilder, PrefillScheduler):
         if self.draft is not None:  # its rounds compiled: not the draft's speed
             self.draft.policy.reset()
         self.warmup_s = time.perf_counter() - t0
-        self._warm = self._start_warm()
 
     def _start_warm(self) -> Iterator[None] | None:
         """Warming's generator (`PrefixCache.warm`) for the options' budget: prompt_cache_warm_bytes,
