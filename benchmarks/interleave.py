@@ -6,7 +6,8 @@ tokens, 8 to generate); `--c-after-s` after B a short request C (`--c-tokens` to
 Every prompt is distinct (its own corpus paragraph), so no prefix is reused. Per target, round by
 round (targets interleaved within a round): A's longest gap between two tokens, C's and B's TTFT in
 the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler), the same engine with
-``prefill_budget_ms=0`` (mlx-lm's prefill, as before), mlx-lm's `BatchGenerator` in-process,
+``prefill_budget_ms=0`` (mlx-lm's prefill, as before), on CUDA the engine with its chunks off the
+grid (`prefill.ChunkSizer`: sized by the budget alone), mlx-lm's `BatchGenerator` in-process,
 ``mlxrt serve`` and ``mlx_lm.server`` (``--no-http`` leaves the last two out). Greedy, EOS off.
 ``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
 
@@ -77,7 +78,7 @@ def _schedule(spec: dict[str, tuple[float, list[int], int]], submit: Callable, s
 class EngineTarget:
     """mlxrt's `Engine` in-process, stepped on this thread."""
 
-    def __init__(self, name: str, model: str, budget_ms: int | None) -> None:
+    def __init__(self, name: str, model: str, budget_ms: int | None, *, grid: bool | None = None) -> None:
         from mlxrt.ipc.protocol import EngineOptions
         from mlxrt.worker.engine import Engine
 
@@ -85,6 +86,8 @@ class EngineTarget:
         if budget_ms is not None:
             opts = EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=budget_ms)
         self.name, self.engine = name, Engine(model, options=opts)
+        if grid is not None:  # the A/B of the chunks' grid (on by default only on CUDA)
+            self.engine.sizer.grid = grid
 
     def run(self, spec: dict[str, tuple[float, list[int], int]]) -> dict[str, float]:
         from mlxrt.ipc.protocol import Generate, SamplingParams
@@ -179,9 +182,12 @@ class HttpTarget:
 
 
 def make_targets(model: str, model_path: str, http: bool) -> list[Any]:
-    targets: list[Any] = [EngineTarget("mlxrt engine", model, None),
-                          EngineTarget("mlxrt engine, budget 0", model, 0),
-                          BatchGeneratorTarget(model_path)]
+    from mlxrt.worker.limits import on_cuda
+
+    targets: list[Any] = [EngineTarget("mlxrt engine", model, None)]
+    if on_cuda():
+        targets.append(EngineTarget("mlxrt engine, chunks off the grid", model, None, grid=False))
+    targets += [EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
     if http:
         from .http_scenario import HttpStream, MlxLmServer
 

@@ -56,6 +56,22 @@ class Slow:
         return getattr(self._model, name)
 
 
+class Recording:
+    """The engine's model, noting each prefill call's (tokens, cache length after) in `ends`."""
+
+    def __init__(self, model) -> None:
+        self._model, self.ends = model, []
+
+    def __call__(self, x, cache=None, **kw):
+        out = self._model(x, cache=cache, **kw)
+        if x.shape[-1] > 1:
+            self.ends.append((x.shape[-1], cache[0].offset))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 class Failing(Slow):
     """`Slow`, but a chunk of request `req_id` raises."""
 
@@ -285,6 +301,44 @@ def test_chunks_follow_the_measured_rate_within_their_bounds():
     assert ChunkSizer(0, 2048).size() == 2048
 
 
+def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
+    """On the grid (CUDA): a chunk is a power of two of tokens, cut to end where the cache holds a
+    multiple of it; only a shape met before is timed; the rung holds within its margin; a step's
+    budget left too small for the next chunk gives 0."""
+    s = ChunkSizer(200, 2048, grid=True)
+    assert s.size() == 2048 and s.size(cached=100) == 1948  # nothing timed yet: the top rung, as mlx-lm
+    s.record(2000, 0.4, (1, 2000, 2000))
+    assert s.rate is None  # a first-met shape's time is mostly its graph's build
+    s.record(2000, 0.4, (1, 2000, 2000))  # met before: 5 tokens/ms, 1,000 tokens in the budget
+    assert s.size() == 1024 and s.size(cached=1500) == 548
+    s.rate = 4.2  # 840 tokens: 1,024 is within the margin, kept
+    assert s.size() == 1024
+    s.rate = 4.0  # 800: 1,024 is not
+    assert s.size() == 512
+    s.rate = 9.0  # 1,800: twice the rung fits
+    assert s.size() == 2048
+    s.rate = 5.0
+    assert s.size() == 1024
+    assert s.size(spent_ms=150) == 0 and s.size(spent_ms=150, cached=800) == 224
+    assert ChunkSizer(200, 2048).size(cached=100) == 32  # off the grid, nothing changes
+
+
+def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model, alone):
+    """A prompt that finds 45 tokens cached, prefilled on the grid: its first chunk fills the cache to
+    the next multiple of the rung, every other chunk but its last ends on one; its tokens stay its own."""
+    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP))
+    engine.sizer = ChunkSizer(1, STEP, grid=True)
+    engine.model = recording = Recording(engine.model)
+    rec, ends = Events(), recording.ends
+    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
+    ends.clear()
+    b = gen(2, LONG, max_tokens=4)
+    run(engine, rec, {0: [b]})
+    assert ends[0] == (STEP - 45 % STEP, 2 * STEP)
+    assert all(end % STEP == 0 for _, end in ends[:-1]) and ends[-1][1] == len(LONG) - 1
+    assert rec.ids[2] == alone(b)
+
+
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):
     """A negative budget is refused naming the field; MLXRT_PREFILL_BUDGET_MS sets it."""
     with pytest.raises(ValueError, match="prefill_budget_ms"):
@@ -304,17 +358,16 @@ def longest_pass_over(rec: Events, rid: int) -> int:
     return longest
 
 
-def test_the_budget_left_on_auto_schedules_off_cuda(tiny_model):
-    """prefill_budget_ms left on auto: the scheduler runs on the CPU (and Metal), with the default budget;
-    MLX's CUDA backend keeps mlx-lm's prefill unless a budget is given (measured there: the docs)."""
+def test_the_budget_left_on_auto_schedules_on_the_grid_only_on_cuda(tiny_model):
+    """prefill_budget_ms left on auto: the scheduler runs with the default budget; its chunks keep to the
+    grid only on MLX's CUDA backend, where each new shape costs an attention graph (the docs)."""
     from mlxrt.ipc.protocol import DEFAULT_PREFILL_BUDGET_MS
     from mlxrt.worker.limits import on_cuda
 
     assert EngineOptions().prefill_budget_ms is None
     e = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
-    assert e.scheduled is (not on_cuda())
-    if e.scheduled:
-        assert e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS
+    assert e.scheduled and e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS
+    assert e.sizer.grid is on_cuda()
 
 
 def test_a_burst_of_short_prompts_is_prefilled_in_batched_calls(slowed, alone):

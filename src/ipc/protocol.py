@@ -360,8 +360,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES
     #: Prefill time between two decode steps, ms: a long prompt is prefilled in chunks sized to it
     #: on this machine (docs/engine.md, the prefill scheduler); 0: mlx-lm's own prefill, as before.
-    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`, but 0 on MLX's CUDA backend, where the chunks cost a
-    #: long prompt 3.8x its TTFT on an H200 (docs/benchmarks/gpu-h200-agents-disk.md).
+    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`. On MLX's CUDA backend the chunks keep to a grid of few
+    #: shapes (`prefill.ChunkSizer`): each new one costs an attention graph's build there.
     prefill_budget_ms: int | None = None
     #: Bytes of the disk tier's most recently used entries a started worker reads back into its memory
     #: tier while idle (docs/engine.md, durable prefixes); None (auto): half the memory tier's cap;

@@ -236,10 +236,10 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.prefill_calls = 0
         self.prefill_batched = 0
         budget = o.prefill_budget_ms
-        if budget is None:  # auto: see EngineOptions.prefill_budget_ms for CUDA's measured cost
-            budget = 0 if on_cuda() else DEFAULT_PREFILL_BUDGET_MS
+        if budget is None:  # auto
+            budget = DEFAULT_PREFILL_BUDGET_MS
         self.scheduled = budget > 0 and group is None
-        self.sizer = ChunkSizer(budget if self.scheduled else 0, self.prefill.solo)
+        self.sizer = ChunkSizer(budget if self.scheduled else 0, self.prefill.solo, grid=on_cuda())
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
 
@@ -665,14 +665,14 @@ class Engine(PromptBuilder, PrefillScheduler):
         mlx-lm's); whether it ended an inner segment."""
         sized = self.scheduled and self.kv is None
         before, t0 = len(solo.tokens), time.perf_counter()
-        boundary = solo.prefill(self.sizer.size() if sized else None)
+        boundary = solo.prefill(self.sizer.size(cached=before) if sized else None)
         # The prompt's last token, queued once the prompt is in, is the first decode step's input.
         seconds, n = time.perf_counter() - t0, len(solo.tokens) - before - (not solo.prefilling)
         if n > 0:
             self.prefill_tokens += n
             solo.seq.prefill_s += seconds
             if sized:
-                self.sizer.record(n, seconds)
+                self.sizer.record(n, seconds, (1, n, before + n))
         return boundary
 
     def _hand_over(self) -> None:

@@ -55,6 +55,10 @@ CHUNK_MULTIPLE = 64
 MAX_SKIPS = 8
 #: Weight of the newest chunk in the measured rate (an exponential moving average).
 RATE_WEIGHT = 0.5
+#: On the grid, a chunk may be this many times what the budget asks for (a rung is a power of two).
+RUNG_MARGIN = 1.25
+#: Chunk shapes the grid remembers (MLX keeps 256 attention graphs on CUDA; this is only a hint).
+MAX_SHAPES = 4096
 
 
 @dataclass
@@ -135,28 +139,67 @@ class ChunkSizer:
     The rate is measured on the chunks themselves (tokens per ms, a moving average), so the size
     follows the model, the machine, its load and the depth of the cache, with no figure tuned for
     one of them. `budget_ms` 0: every chunk is `ceiling` tokens.
+
+    `grid` (MLX's CUDA backend): attention there builds a cuDNN graph for each new (query length,
+    cache length) of a prefill, tens to hundreds of ms each (docs/benchmarks/gpu-h200-scheduler-s9.md),
+    so chunks keep to few shapes: a size is a power of two (a `rung`, kept while the budget allows it
+    within a margin), and a chunk ends where the cache holds a multiple of it, so the cache lengths
+    repeat from prompt to prompt. Only chunks of a shape met before are timed into the rate (a first
+    one's time is mostly the build); until one is, chunks are `ceiling` tokens, as mlx-lm's are.
     """
 
-    def __init__(self, budget_ms: float, ceiling: int, floor: int = MIN_CHUNK_TOKENS) -> None:
+    def __init__(self, budget_ms: float, ceiling: int, floor: int = MIN_CHUNK_TOKENS, *,
+                 grid: bool = False) -> None:
         self.budget_ms = budget_ms
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
+        self.grid = grid
         #: Tokens per ms measured so far; None until a chunk has been timed.
         self.rate: float | None = None
+        #: The grid's current chunk size (a power of two); None until the first chunk on the grid.
+        self.rung: int | None = None
+        self._shapes: set[tuple[int, int, int]] = set()
 
-    def size(self, spent_ms: float = 0.0) -> int:
-        """Tokens for the next chunk, `spent_ms` of this step's budget already used."""
+    def size(self, spent_ms: float = 0.0, cached: int = 0) -> int:
+        """Tokens for the next chunk, `spent_ms` of this step's budget already used, `cached` tokens in
+        the prompt's cache already; 0 on the grid when no chunk fits what is left of the budget."""
         if self.budget_ms <= 0:
             return self.ceiling
+        if not self.grid:
+            want = self.floor if self.rate is None else int(self.rate * (self.budget_ms - spent_ms))
+            return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
         if self.rate is None:
-            return self.floor
-        want = int(self.rate * (self.budget_ms - spent_ms))
-        return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
+            return self._rung(self.ceiling) - cached % self._rung(self.ceiling)
+        rung = self._rung(int(self.rate * self.budget_ms))
+        n = rung - cached % rung
+        if spent_ms > 0 and n > self.rate * (self.budget_ms - spent_ms) * RUNG_MARGIN:
+            return 0  # the rest of this step's budget holds no chunk on the grid
+        return n
 
-    def record(self, tokens: int, seconds: float) -> None:
-        """A chunk of `tokens` took `seconds` (its results evaluated)."""
+    def _rung(self, want: int) -> int:
+        """The grid's chunk size for `want` tokens: the current rung while it is at most
+        `RUNG_MARGIN` times `want` and its double would not fit; else the largest power of two
+        within `RUNG_MARGIN` times `want`, in [floor, ceiling]."""
+        top = 1 << (self.ceiling.bit_length() - 1)
+        low = min(top, 1 << max(0, (self.floor - 1).bit_length()))
+        r = self.rung
+        if r is None or r > RUNG_MARGIN * want or 2 * r <= want:
+            r = 1 << max(0, int(RUNG_MARGIN * want).bit_length() - 1)
+        self.rung = max(low, min(top, r))
+        return self.rung
+
+    def record(self, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None) -> None:
+        """A chunk of `tokens` took `seconds` (its results evaluated); `shape`: (rows, tokens a row,
+        cache length after), which on the grid tells a first-met shape."""
         if tokens <= 0 or seconds <= 0:
             return
+        if self.grid and shape is not None:
+            new = shape not in self._shapes
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
+            self._shapes.add(shape)
+            if new:
+                return
         rate = tokens / (seconds * 1e3)
         self.rate = rate if self.rate is None else RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.rate
 
@@ -291,8 +334,12 @@ class PrefillScheduler:
             self._join(p)
         spent = 0.0
         while self._prefills and spent * 1e3 < self.sizer.budget_ms:
-            size = self.sizer.size(spent * 1e3)
-            rows = batch_rows(self._prefills, pick(self._prefills), size, self.prefill.batch_prompts)
+            first = pick(self._prefills)
+            size = self.sizer.size(spent * 1e3, cached=len(first.tokens))
+            if size <= 0:
+                break
+            rows = batch_rows(self._prefills, first, size, self.prefill.batch_prompts)
+            cached = max(len(p.tokens) for p in rows)
             try:
                 if len(rows) > 1:
                     n, seconds = run_rows(self.model, rows, self._batch.stream)
@@ -308,7 +355,7 @@ class PrefillScheduler:
                     self._unlead(p.seq)
                     self._failed(p.seq, error)
                 continue
-            self.sizer.record(n, seconds)
+            self.sizer.record(n, seconds, (len(rows), n // len(rows), cached + n // len(rows)))
             self.prefill_tokens += n
             self.prefill_calls += 1
             self.prefill_batched += len(rows) if len(rows) > 1 else 0
