@@ -186,6 +186,33 @@ def test_long_warmup_prompt_passes_one_prefill_step():
     assert all(0 <= t < engine.vocab_size for t in ids)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5", "tiny-gemma3"])
+def test_decode_graph_warm_up_reaches_each_length_within_the_context(preset):
+    """CUDA's warm-up of one sequence's decode steps runs on the model's own caches (KV, linear
+    attention, sliding windows), each step's cache as long as asked, none past the context."""
+    from mlx_lm import load
+    from mlxrt.synthetic.build import ensure_model
+    from mlxrt.worker import solo
+
+    model, _ = load(str(ensure_model(preset)))
+    seen = []
+
+    class Counting:
+        def __call__(self, x, cache=None):
+            out = model(x, cache=cache)
+            if x.shape[-1] == 1:
+                seen.append(max(c.offset for c in cache if hasattr(c, "offset")))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    counting = Counting()
+    assert solo.warm_decode_graphs(counting, 4096) == 4 and seen == list(solo.CUDNN_DECODE_LENGTHS)
+    seen.clear()
+    assert solo.warm_decode_graphs(counting, 600) == 2 and seen == [256, 512]
+
+
 # -- the batch-size-1 fast path ------------------------------------------------------------------
 
 def solo_requests() -> list[Generate]:

@@ -110,7 +110,7 @@ from .sequence import (
     make_request_sampler,
     reseed,
 )
-from .solo import Draft, Solo
+from .solo import Draft, Solo, warm_decode_graphs
 
 log = structlog.get_logger("mlxrt.worker")
 
@@ -408,7 +408,9 @@ class Engine(PromptBuilder, PrefillScheduler):
         use of each costs seconds (38 s for the first long prompts seen on an
         H200), so a full batch and, on a GPU, a prompt past two prefill steps
         and a 24-token one (the matmul's tile follows the rows of a chunk)
-        warm them, on the single-stream fast path and through the batch;
+        warm them, on the single-stream fast path and through the batch; on
+        CUDA, one sequence's decode steps at the cache lengths whose attention
+        graphs cost most to build (`solo.warm_decode_graphs`);
         `benchmarks/first_use.py` shows what is left. The CPU compiles
         nothing, so it skips the GPU's prompts. Then, with a disk tier, warming
         starts: the worker reads its newest prefixes back while idle (`warm_step`).
@@ -437,6 +439,8 @@ class Engine(PromptBuilder, PrefillScheduler):
                             self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
             finally:
                 self.solo_enabled = solo
+        if on_cuda():
+            warm_decode_graphs(self.model, self.context_length)
         batch = range(self.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])
         self.prefix_cache = self._new_prefix_cache()  # warm-up is no hit

@@ -54,6 +54,10 @@ from .sequence import Sequence, unsample
 CLEAR_CACHE_EVERY = 256
 #: A resumed reply's tokens replayed one a model call: this many to one engine step.
 SINGLES_PER_CALL = 32
+#: Cache lengths at which one sequence's decode step on MLX's CUDA backend first builds a cuDNN
+#: attention graph of a new kind (the graph follows the cache's buffer, which grows by 256 tokens):
+#: 0.45-0.7 s each on an H200, where the longer buffers' graphs took about 50 ms.
+CUDNN_DECODE_LENGTHS = (256, 512, 768, 1024)
 
 
 @dataclass(frozen=True)
@@ -364,3 +368,18 @@ class Solo:
             else:
                 self._next_logprobs = logprobs
                 mx.async_eval(self._next, context, logprobs)
+
+
+def warm_decode_graphs(model, context: int, lengths: tuple[int, ...] = CUDNN_DECODE_LENGTHS) -> int:
+    """Run one sequence's decode step at each of `lengths` (those within `context`) on a cache of the
+    model's own, so that a worker builds those attention graphs before a request needs them (on
+    MLX's CUDA backend; a resumed stream's replay meets them at once). How many ran."""
+    cache, done, at = make_prompt_cache(model), 0, 0
+    for n in lengths:
+        if n >= context:
+            break
+        model(mx.zeros((1, n - 1 - at), dtype=mx.int32), cache=cache)  # the buffer grows to n
+        mx.eval(model(mx.zeros((1, 1), dtype=mx.int32), cache=cache))
+        at, done = n, done + 1
+    mx.clear_cache()
+    return done
