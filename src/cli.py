@@ -189,7 +189,7 @@ ENGINE_FLAGS = {
     "prefill_step_size": "prompt tokens per prefill step",
     "prefill_budget_ms": "ms of prefill between two decode steps: a long prompt is prefilled in chunks "
                          "sized to it on this machine, at most prefill_step_size tokens (0: mlx-lm's own "
-                         "prefill; auto: 200; mlxrt's own)",
+                         "prefill; auto: 200, but 0 on CUDA; mlxrt's own)",
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse; auto: an eighth of "
                           "the memory MLX may use, 1-64 GiB)",
     "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",

@@ -360,8 +360,10 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES
     #: Prefill time between two decode steps, ms: a long prompt is prefilled in chunks sized to it
     #: on this machine (docs/engine.md, the prefill scheduler); 0: mlx-lm's own prefill, as before.
-    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`. On MLX's CUDA backend the chunks keep to a grid of few
-    #: shapes (`prefill.ChunkSizer`): each new one costs an attention graph's build there.
+    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`, but 0 on MLX's CUDA backend, where each new chunk shape
+    #: costs an attention graph's build: there a budget keeps chunks on a grid (`prefill.ChunkSizer`),
+    #: which fixed a long prompt among streams, but agents' turns measured faster with 0
+    #: (docs/benchmarks/gpu-h200-scheduler-s9.md).
     prefill_budget_ms: int | None = None
     #: Bytes of the disk tier's most recently used entries a started worker reads back into its memory
     #: tier while idle (docs/engine.md, durable prefixes); None (auto): half the memory tier's cap;

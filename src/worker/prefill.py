@@ -18,8 +18,7 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
 - **Short prompts together** (`batch_rows`, `run_rows`): where the prompt chosen next fits the chunk
   whole, the shortest others that fit beside it (padding counted, at most `prompt_concurrency`) join
   it in one call, right-padded as mlx-lm's `BatchGenerator` prefills a burst, each on its own cache
-  again after. Not on MLX's CUDA backend, where chunks keep to a grid of shapes (`ChunkSizer`) and
-  a padded batch's attention graph costs more to build than the batch saves.
+  again after.
 
 A chunk never crosses a segment boundary (`prompt_segments`), so the engine keeps its checkpoints
 (system prompt, end of prompt) and releases forked choices exactly where the batch would.
@@ -339,10 +338,7 @@ class PrefillScheduler:
             size = self.sizer.size(spent * 1e3, cached=len(first.tokens))
             if size <= 0:
                 break
-            # On the grid (CUDA) a prompt goes alone: rows of unequal length carry a padding mask, whose
-            # attention graph cost 0.7-5 s to build per (rows, length) on an H200, against ~50 ms alone.
-            most = 1 if self.sizer.grid else self.prefill.batch_prompts
-            rows = batch_rows(self._prefills, first, size, most)
+            rows = batch_rows(self._prefills, first, size, self.prefill.batch_prompts)
             cached = max(len(p.tokens) for p in rows)
             try:
                 if len(rows) > 1:
