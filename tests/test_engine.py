@@ -189,7 +189,8 @@ def test_long_warmup_prompt_passes_one_prefill_step():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3.5", "tiny-gemma3"])
 def test_decode_graph_warm_up_reaches_each_length_within_the_context(preset):
     """CUDA's warm-up of one sequence's decode steps runs on the model's own caches (KV, linear
-    attention, sliding windows), each step's cache as long as asked, none past the context."""
+    attention, sliding windows), each step's cache and KV buffer as long as asked, none past the
+    context."""
     from mlx_lm import load
     from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker import solo
@@ -200,8 +201,9 @@ def test_decode_graph_warm_up_reaches_each_length_within_the_context(preset):
     class Counting:
         def __call__(self, x, cache=None):
             out = model(x, cache=cache)
-            if x.shape[-1] == 1:
+            if x.shape[-1] == 1:  # the cache's length, and its KV layers' buffers, which key the graph
                 seen.append(max(c.offset for c in cache if hasattr(c, "offset")))
+                assert {c.keys.shape[2] for c in cache if type(c).__name__ == "KVCache"} == {seen[-1]}
             return out
 
         def __getattr__(self, name):

@@ -320,7 +320,26 @@ def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
     s.rate = 5.0
     assert s.size() == 1024
     assert s.size(spent_ms=150) == 0 and s.size(spent_ms=150, cached=800) == 224
+    assert s.size(cached=1020) == 1028  # 4 tokens to the grid: they take a rung with them
     assert ChunkSizer(200, 2048).size(cached=100) == 32  # off the grid, nothing changes
+
+
+def test_on_the_grid_a_shape_counts_as_met_while_mlx_would_keep_its_graph():
+    """The grid remembers the last MAX_SHAPES shapes, as MLX keeps that many attention graphs: a
+    shape met again is timed; one pushed out since is a first meeting again."""
+    from mlxrt.worker.prefill import MAX_SHAPES
+
+    s = ChunkSizer(200, 2048, grid=True)
+    s.record(1024, 0.2, (1, 1024, 1024))
+    s.record(1024, 0.2, (1, 1024, 1024))
+    assert s.rate == pytest.approx(5.12)
+    for k in range(MAX_SHAPES):
+        s.record(1024, 0.1, (1, 1024, 2048 + k))  # new shapes: not timed
+    assert s.rate == pytest.approx(5.12)
+    s.record(1024, 0.1, (1, 1024, 1024))  # pushed out by them: new again
+    assert s.rate == pytest.approx(5.12)
+    s.record(1024, 0.1, (1, 1024, 2048 + MAX_SHAPES - 1))  # still kept: timed
+    assert s.rate == pytest.approx((5.12 + 10.24) / 2)
 
 
 def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model, alone):
@@ -337,6 +356,24 @@ def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model,
     assert ends[0] == (STEP - 45 % STEP, 2 * STEP)
     assert all(end % STEP == 0 for _, end in ends[:-1]) and ends[-1][1] == len(LONG) - 1
     assert rec.ids[2] == alone(b)
+
+
+def test_on_the_grid_the_scheduler_cuts_a_prompt_beside_a_stream_on_the_rung(tiny_model, alone):
+    """With a stream decoding (so the scheduler, not the fast path, prefills), a prompt that finds 45
+    tokens cached is cut on the grid as a lone one is, the stream getting tokens between its chunks;
+    both keep their tokens alone."""
+    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP))
+    engine.sizer = ChunkSizer(1, STEP, grid=True)
+    engine.model = recording = Recording(engine.model)
+    rec = Events()
+    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
+    recording.ends.clear()
+    a, b = gen(2, short_prompt(4), max_tokens=30), gen(3, LONG, max_tokens=4)
+    run(engine, rec, {0: [a], 2: [b]})
+    ends = [e for e in recording.ends if e[1] > len(short_prompt(4))]  # B's chunks, not A's prompt
+    assert ends[0] == (STEP - 45 % STEP, 2 * STEP) and engine.prefill_calls >= len(ends)
+    assert all(end % STEP == 0 for _, end in ends[:-1]) and ends[-1][1] == len(LONG) - 1
+    assert rec.ids[2] == alone(a) and rec.ids[3] == alone(b)
 
 
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):

@@ -439,7 +439,7 @@ class Engine(PromptBuilder, PrefillScheduler):
                             self._run_to_end([Generate(id=-1, prompt_ids=ids, params=params)])
             finally:
                 self.solo_enabled = solo
-        if on_cuda():
+        if on_cuda() and self.kv is None and self.options.max_kv_size is None:  # the caches it builds
             warm_decode_graphs(self.model, self.context_length)
         batch = range(self.decode_concurrency)
         self._run_to_end([Generate(id=-2 - i, prompt=f"{WARMUP_PROMPT} {i}", params=params) for i in batch])

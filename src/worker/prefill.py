@@ -32,8 +32,9 @@ system prompts others wait for).
 from __future__ import annotations
 
 import copy
+import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +58,9 @@ MAX_SKIPS = 8
 RATE_WEIGHT = 0.5
 #: On the grid, a chunk may be this many times what the budget asks for (a rung is a power of two).
 RUNG_MARGIN = 1.25
-#: Chunk shapes the grid remembers (MLX keeps 256 attention graphs on CUDA; this is only a hint).
-MAX_SHAPES = 4096
+#: Chunk shapes the grid remembers as met, the most recent first out of mind: as many as MLX keeps
+#: attention graphs on CUDA (its `MLX_CUDA_SDPA_CACHE_SIZE`, 256 by default; the two share no state).
+MAX_SHAPES = int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "256"))
 
 
 @dataclass
@@ -144,8 +146,9 @@ class ChunkSizer:
     cache length) of a prefill, tens to hundreds of ms each (docs/benchmarks/gpu-h200-scheduler-s9.md),
     so chunks keep to few shapes: a size is a power of two (a `rung`, kept while the budget allows it
     within a margin), and a chunk ends where the cache holds a multiple of it, so the cache lengths
-    repeat from prompt to prompt. Only chunks of a shape met before are timed into the rate (a first
-    one's time is mostly the build); until one is, chunks are `ceiling` tokens, as mlx-lm's are.
+    repeat from prompt to prompt (a piece under `floor` tokens up to the grid takes a rung with it).
+    Only chunks of a shape met before are timed into the rate (a first one's time is mostly the
+    build); until one is, chunks are the largest power of two within `ceiling`, near mlx-lm's step.
     """
 
     def __init__(self, budget_ms: float, ceiling: int, floor: int = MIN_CHUNK_TOKENS, *,
@@ -158,7 +161,7 @@ class ChunkSizer:
         self.rate: float | None = None
         #: The grid's current chunk size (a power of two); None until the first chunk on the grid.
         self.rung: int | None = None
-        self._shapes: set[tuple[int, int, int]] = set()
+        self._shapes: OrderedDict[tuple[int, int, int], None] = OrderedDict()
 
     def size(self, spent_ms: float = 0.0, cached: int = 0) -> int:
         """Tokens for the next chunk, `spent_ms` of this step's budget already used, `cached` tokens in
@@ -168,11 +171,12 @@ class ChunkSizer:
         if not self.grid:
             want = self.floor if self.rate is None else int(self.rate * (self.budget_ms - spent_ms))
             return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
-        if self.rate is None:
-            return self._rung(self.ceiling) - cached % self._rung(self.ceiling)
-        rung = self._rung(int(self.rate * self.budget_ms))
+        rung = self._rung(self.ceiling if self.rate is None else int(self.rate * self.budget_ms))
         n = rung - cached % rung
-        if spent_ms > 0 and n > self.rate * (self.budget_ms - spent_ms) * RUNG_MARGIN:
+        if n < self.floor and n + rung <= self.ceiling:  # a call of a few tokens is mostly overhead
+            n += rung
+        left = None if self.rate is None else self.rate * (self.budget_ms - spent_ms) * RUNG_MARGIN
+        if spent_ms > 0 and left is not None and n > left:
             return 0  # the rest of this step's budget holds no chunk on the grid
         return n
 
@@ -195,9 +199,10 @@ class ChunkSizer:
             return
         if self.grid and shape is not None:
             new = shape not in self._shapes
-            if len(self._shapes) >= MAX_SHAPES:
-                self._shapes.clear()
-            self._shapes.add(shape)
+            self._shapes[shape] = None
+            self._shapes.move_to_end(shape)
+            if len(self._shapes) > MAX_SHAPES:
+                self._shapes.popitem(last=False)
             if new:
                 return
         rate = tokens / (seconds * 1e3)
@@ -339,7 +344,8 @@ class PrefillScheduler:
             if size <= 0:
                 break
             rows = batch_rows(self._prefills, first, size, self.prefill.batch_prompts)
-            cached = max(len(p.tokens) for p in rows)
+            # The call's attention shape: rows padded to the longest segment, over the longest cache.
+            widest, cached = max(len(p.segments[0]) for p in rows), max(len(p.tokens) for p in rows)
             try:
                 if len(rows) > 1:
                     n, seconds = run_rows(self.model, rows, self._batch.stream)
@@ -355,7 +361,8 @@ class PrefillScheduler:
                     self._unlead(p.seq)
                     self._failed(p.seq, error)
                 continue
-            self.sizer.record(n, seconds, (len(rows), n // len(rows), cached + n // len(rows)))
+            width = n if len(rows) == 1 else widest
+            self.sizer.record(n, seconds, (len(rows), width, cached + width))
             self.prefill_tokens += n
             self.prefill_calls += 1
             self.prefill_batched += len(rows) if len(rows) > 1 else 0
