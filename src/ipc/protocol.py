@@ -362,8 +362,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: on this machine (docs/engine.md, the prefill scheduler); 0: mlx-lm's own prefill, as before.
     #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`, but 0 on MLX's CUDA backend, where each new chunk shape
     #: costs an attention graph's build: there a budget keeps chunks on a grid (`prefill.ChunkSizer`),
-    #: which fixed a long prompt among streams, but agents' turns measured faster with 0
-    #: (docs/benchmarks/gpu-h200-scheduler-s9.md).
+    #: which fixed a long prompt among streams, but agents' turns measured faster with 0 (that run
+    #: prefilled each prompt one to a call; docs/benchmarks/gpu-h200-scheduler-s9.md).
     prefill_budget_ms: int | None = None
     #: Bytes of the disk tier's most recently used entries a started worker reads back into its memory
     #: tier while idle (docs/engine.md, durable prefixes); None (auto): half the memory tier's cap;
