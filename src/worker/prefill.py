@@ -60,7 +60,7 @@ RATE_WEIGHT = 0.5
 RUNG_MARGIN = 1.25
 #: Chunk shapes the grid remembers as met, the most recent first out of mind: as many as MLX keeps
 #: attention graphs on CUDA (its `MLX_CUDA_SDPA_CACHE_SIZE`, 256 by default; the two share no state).
-MAX_SHAPES = int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "256"))
+MAX_SHAPES = int(_size) if (_size := os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "")).isdigit() else 256
 
 
 @dataclass
