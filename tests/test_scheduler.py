@@ -360,8 +360,7 @@ def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model,
 
 def test_on_the_grid_the_scheduler_cuts_a_prompt_beside_a_stream_on_the_rung(tiny_model, alone):
     """With a stream decoding (so the scheduler, not the fast path, prefills), a prompt that finds 45
-    tokens cached is cut on the grid as a lone one is, the stream getting tokens between its chunks;
-    both keep their tokens alone."""
+    tokens cached is cut on the grid as a lone one is; both keep their tokens alone."""
     engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP))
     engine.sizer = ChunkSizer(1, STEP, grid=True)
     engine.model = recording = Recording(engine.model)
