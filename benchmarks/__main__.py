@@ -206,7 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="ARGS",
         help="also run the agents on mlxrt serve started with ARGS added, alternating with the others in the"
-        " same rounds (an A/B of a serve flag, e.g. --agent-mlxrt-args=--gather-ms=0); once per variant",
+        " same rounds (an A/B of a serve flag, e.g. --agent-mlxrt-args=--gather-ms=0, or of its environment:"
+        " NAME=value); once per variant",
     )
     p.add_argument(
         "--full",

@@ -26,8 +26,9 @@ engine's.
 ``mlxrt-http ARGS`` (``--agent-mlxrt-args ARGS``, once per variant) is one more mlxrt serve
 started with ARGS added after the shared flags (a repeated flag is the variant's), in the same
 rounds: an A/B of a serve flag on the same workload, such as ``--gather-ms=0`` against the
-default. Its uncached reference is mlxrt-http's (the same final-turn prompts where the replies
-are the same).
+default. A ``NAME=value`` word in ARGS sets the server's environment instead (its workers
+inherit it), e.g. ``MLX_CUDA_USE_CUDNN_SDPA=0``. Its uncached reference is mlxrt-http's (the same
+final-turn prompts where the replies are the same).
 
 Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
 one to all (``--prompt-cache-bytes``, the flag of that name on both servers;

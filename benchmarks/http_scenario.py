@@ -29,6 +29,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,6 +52,8 @@ HTTP_TIMEOUT_S = 600.0
 MODEL_NAME = "bench"
 #: Where server processes write their stderr for reading afterwards (else a temporary file).
 LOG_DIR_ENV = "MLXRT_BENCH_SERVER_LOGS"
+#: A server variant's word that sets its environment rather than a flag (MLX_CUDA_USE_CUDNN_SDPA=0).
+ENV_WORD = re.compile(r"[A-Z][A-Z0-9_]*=")
 
 
 class _Choice(msgspec.Struct):
@@ -173,7 +176,7 @@ class _ServerProcess:
         """The OpenAI API root, for the ``openai`` client."""
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def _start(self, argv: list[str]) -> None:
+    def _start(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         # stderr to a file, not a pipe: nobody reads a pipe while we measure, and a
         # full one would stall the server mid-benchmark.
         keep = os.environ.get(LOG_DIR_ENV)
@@ -183,7 +186,8 @@ class _ServerProcess:
         else:
             self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+            env={**os.environ, **env} if env else None,
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not _healthy(self.port, self.health_path):
@@ -225,7 +229,9 @@ class HttpStream(_ServerProcess):
         super().__init__()
         self.model_path = model_path
         self.transport = transport
-        self.extra_args = list(extra_args)
+        # NAME=value words are the server's environment (its workers inherit it), the rest its flags
+        self.env = dict(a.split("=", 1) for a in extra_args if ENV_WORD.match(a))
+        self.extra_args = [a for a in extra_args if not ENV_WORD.match(a)]
 
     def setup(self) -> None:
         self.port = _free_port()
@@ -246,11 +252,13 @@ class HttpStream(_ServerProcess):
                 "--prompt-cache-disk-bytes",
                 "0",
                 *self.extra_args,
-            ]
+            ],
+            self.env,
         )
 
     def describe(self) -> dict[str, Any]:
-        return {"server": "mlxrt serve", "transport": self.transport, "args": self.extra_args}
+        return {"server": "mlxrt serve", "transport": self.transport, "args": self.extra_args,
+                "env": self.env}
 
     def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
         body = {

@@ -671,7 +671,8 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     out_json = tmp_path / "agent.json"
     sizes = ["--agents", "2", "--turns", "2", "--reply-tokens", "4", "--system-words", "40"]
     sizes += ["--prompt-cache-bytes", str(CAP)]  # one cap on every server
-    sizes += ["--agent-mlxrt-args=--gather-ms=0"]  # and one more mlxrt serve, with a flag added
+    # and one more mlxrt serve, with a flag added and its environment set (CUDA's; a no-op on the CPU)
+    sizes += ["--agent-mlxrt-args=--gather-ms=0 MLX_CUDA_USE_CUDNN_SDPA=0"]
     cmd = [sys.executable, "-m", "benchmarks", "--model", "synthetic:tiny", "--part", "agent", *sizes]
     cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -683,7 +684,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
             "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
     assert ag["sizes"] == want  # no warm-up round on a CPU
-    variant = "mlxrt-http --gather-ms=0"
+    variant = "mlxrt-http --gather-ms=0 MLX_CUDA_USE_CUDNN_SDPA=0"
     assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", variant, "mlx_lm.server", agents.NATIVE}
     assert {"mlxrt-http", variant} <= set(ag["servers"]), (ag["skipped"], proc.stderr[-3000:])
     for sv in ag["servers"].values():
@@ -700,11 +701,12 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     for name in set(ag["servers"]) - {"native-engine", variant}:
         assert ag["servers"][name]["info"]["args"] == ["--prompt-cache-bytes", str(CAP)], name
     assert ag["servers"][variant]["info"]["args"] == ["--prompt-cache-bytes", str(CAP), "--gather-ms=0"]
+    assert ag["servers"][variant]["info"]["env"] == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}  # not a flag
     v = ag["servers"][variant]  # its uncached reference: mlxrt-http's (the same server with its cache off)
     assert v["uncached"] == ag["servers"]["mlxrt-http"]["uncached"] and v["uncached_from"] == "mlxrt-http"
     assert ag["same_replies_pct"]["native-engine"] == 100.0  # in-process, the same replies as the server
     assert ag["same_replies_pct"][variant] == 100.0  # gathering changes when requests start, not their ids
-    assert doc["config"]["agent_mlxrt_args"] == [["--gather-ms=0"]]
+    assert doc["config"]["agent_mlxrt_args"] == [["--gather-ms=0", "MLX_CUDA_USE_CUDNN_SDPA=0"]]
     assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
     assert "agents: 2 agents at once x 2 turns" in proc.stdout
     assert f"{variant} aggregate" in proc.stdout
