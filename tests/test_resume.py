@@ -8,8 +8,11 @@ seeded sampling. With processes, a worker is SIGKILLed mid-stream and the stream
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -248,6 +251,32 @@ def test_stream_goes_on_after_its_worker_is_killed(tiny_model, transport, params
     assert ids == whole.tokens
     assert (stats.generation_tokens, stats.resumes) == (120, 1)
     assert stats.prompt_tokens == whole.stats.prompt_tokens
+
+
+LINGERING = [sys.executable, str(Path(__file__).with_name("lingering_worker.py"))]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stream_goes_on_while_the_dead_workers_channel_stays_open(tiny_model, transport, tmp_path,
+                                                                   monkeypatch):
+    """A worker killed mid-stream whose pipes and ring stay open (a child of its holds them, as a CUDA
+    worker's stay while the driver tears its context down): its exited process is noticed, not its
+    channel's close, and the stream goes on with the tokens of an uninterrupted run."""
+    pids = tmp_path / "lingering"
+    monkeypatch.setenv("LINGER_PID_FILE", str(pids))
+    with Runtime(model=tiny_model, transport=transport, supervision=Supervision(**FAST),
+                 _worker_argv=LINGERING) as rt:
+        try:
+            whole = rt.generate("The quick brown fox", max_tokens=120, ignore_eos=True)
+            # a hang guard: the children hold the channels for LINGER_S (120 s)
+            ids, stats = run_with_deadline(lambda: killed_mid_stream(rt), 45)
+            assert (rt.workers[0].restarts, rt.workers[0].resumes) == (1, 1)
+            assert len(pids.read_text().split()) == 2  # both children still hold their worker's files
+        finally:  # before the runtime closes: a worker's channel closes only then
+            for pid in pids.read_text().split() if pids.exists() else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+    assert ids == whole.tokens and stats.resumes == 1
 
 
 def test_request_whose_worker_dies_past_max_resumes_fails(tiny_model):

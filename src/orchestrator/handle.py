@@ -2,10 +2,17 @@
 
 Death is noticed by the kernel: when the worker exits for any reason its end
 of the frame channel closes, the reader thread gets EOF and every request in
-flight fails at once with `WorkerDied`. A malformed frame is treated the same
-way (the worker is stopped: its channel can no longer be trusted), and so is a
-worker that does not read its input within `Timeouts.send_s`: every write to
-it has that limit, and a cut-off frame would leave its input unusable anyway.
+flight fails at once with `WorkerDied` (or is resumed elsewhere, `supervisor`).
+The channel closes only once the worker's last thread is gone, which on MLX's
+CUDA backend comes 100-350 ms after its main thread (the driver tears its
+context down first); so while requests are in flight and no frame comes, the
+reader also looks every `DEATH_PROBE_S` for an exited main thread (Linux:
+/proc), drains what was sent, and ends then; and every `IDLE_DEATH_PROBE_S`
+while idle, for a worker whose child outlives it holding its channel open.
+A malformed frame is treated the same way (the worker is stopped: its channel
+can no longer be trusted), and so is a worker that does not read its input
+within `Timeouts.send_s`: every write to it has that limit, and a cut-off
+frame would leave its input unusable anyway.
 
 Whoever takes a request out of `_sinks` owns its end: the reader thread (its
 Done or Failed), the death path (every entry left when the worker is gone),
@@ -59,6 +66,28 @@ from .config import Timeouts
 from .errors import ChannelError, MlxrtTimeout, ModelLoadError, WorkerDied
 
 log = structlog.get_logger("mlxrt.orchestrator")
+
+#: While requests are in flight and no frame comes, how often the reader looks whether the worker's
+#: main thread has exited (`exit_status`), s: what a death may go unnoticed before its channel closes;
+#: and how often while none is (a child of the worker's that outlives it keeps its channel open).
+DEATH_PROBE_S = 0.01
+IDLE_DEATH_PROBE_S = 1.0
+
+
+def exit_status(pid: int) -> int | None:
+    """Child `pid`'s returncode (as `Popen`'s: -N for signal N) once its main thread has exited, while
+    its other threads may still be exiting; None while it runs, once reaped, or without /proc (then the
+    channel's close tells). Linux's /proc/PID/stat: the state (3rd field), the wait status (52nd)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    if len(fields) < 50 or fields[0] not in (b"Z", b"X"):
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
 
 #: sink(event) receives a request's Tokens, then one Done or Failed, or a WorkerDied (with n > 1,
 #: a Done per choice, the last one `final`; an Embed request: one Embeddings, Done if cancelled, or Failed).
@@ -561,11 +590,24 @@ class WorkerHandle:
         )
 
     # -- threads ------------------------------------------------------------
+    def _next_frame(self) -> bytes:
+        """The worker's next frame; `ChannelClosed` once it has exited (its main thread, `exit_status`)
+        and every frame it sent is read. Waits in `DEATH_PROBE_S` steps while requests are in flight,
+        else `IDLE_DEATH_PROBE_S`."""
+        gone = False
+        while True:
+            try:
+                return self._rx.recv(0.0 if gone else DEATH_PROBE_S if self._sinks else IDLE_DEATH_PROBE_S)
+            except TimeoutError:
+                if gone:
+                    raise ChannelClosed(f"worker {self.name} (pid {self.pid}) exited") from None
+                gone = exit_status(self.pid) is not None
+
     def _read(self) -> None:
         decode, sinks = self._codec.decode, self._sinks
         try:
             while True:
-                msg = decode(self._rx.recv())
+                msg = decode(self._next_frame())
                 if type(msg) is Tokens or type(msg) is DetailedTokens:
                     self._tokens += len(msg.token_ids)
                     entry = sinks.get(msg.id)
@@ -605,7 +647,12 @@ class WorkerHandle:
     def _die(self, error: WorkerDied | None) -> None:
         if error is not None:
             self.proc.kill()
-        code = self._reap(1.0)
+        # its code as soon as the main thread has one: the requests go on before the last thread is gone
+        code = self.proc.poll()
+        if code is None:
+            code = exit_status(self.pid)
+        if code is None:
+            code = self._reap(1.0)
         with self._lock:
             stopping = self._state == "stopping"
             self.crashed = not stopping
@@ -630,6 +677,7 @@ class WorkerHandle:
             finally:
                 self._stop_writing(f"worker {self.name} (pid {self.pid}) is gone")
                 self._tx.close()  # after the requests' ends: it may wait for a send that is failing
+                self._reap(1.0)  # the zombie, once its last thread is gone
 
     def _pump_stderr(self) -> None:
         pump_stderr(self.proc.stderr, self._stderr_tail, self.name)
