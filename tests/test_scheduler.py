@@ -303,42 +303,57 @@ def test_chunks_follow_the_measured_rate_within_their_bounds():
 
 def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
     """On the grid (CUDA): a chunk is a power of two of tokens, cut to end where the cache holds a
-    multiple of it; only a shape met before is timed; the rung holds within its margin; a step's
-    budget left too small for the next chunk gives 0."""
+    multiple of it, sized so that its work and a graph's build fit the budget; the rung holds within
+    its margin; a step's budget left too small for the next chunk gives 0."""
     s = ChunkSizer(200, 2048, grid=True)
     assert s.size() == 2048 and s.size(cached=100) == 1948  # nothing timed yet: the top rung, as mlx-lm
-    s.record(2000, 0.4, (1, 2000, 2000))
-    assert s.rate is None  # a first-met shape's time is mostly its graph's build
-    s.record(2000, 0.4, (1, 2000, 2000))  # met before: 5 tokens/ms, 1,000 tokens in the budget
-    assert s.size() == 1024 and s.size(cached=1500) == 548
-    s.rate = 4.2  # 840 tokens: 1,024 is within the margin, kept
+    s.record(2048, 0.3, (1, 2048, 2048))  # a first-met shape: timed net of a build, 2048 in 250 ms
+    assert s.rate == pytest.approx(2048 / 250)
+    assert s.size() == 1024 and s.size(cached=1500) == 548  # 1,228 tokens in 200 ms less a build
+    s.rate = 6.5  # 975 tokens: 1,024 is within the margin, kept
     assert s.size() == 1024
-    s.rate = 4.0  # 800: 1,024 is not
+    s.rate = 6.0  # 900: 1,024 is not
     assert s.size() == 512
-    s.rate = 9.0  # 1,800: twice the rung fits
+    s.rate = 14.0  # 2,100: twice the rung fits
     assert s.size() == 2048
-    s.rate = 5.0
+    s.rate = 8.0
     assert s.size() == 1024
-    assert s.size(spent_ms=150) == 0 and s.size(spent_ms=150, cached=800) == 224
+    assert s.size(spent_ms=100) == 0  # 128 ms of work and a build do not fit the 100 ms left
+    assert s.size(spent_ms=100, cached=800) == 224  # 28 ms and a build do
     assert s.size(cached=1020) == 1028  # 4 tokens to the grid: they take a rung with them
     assert ChunkSizer(200, 2048).size(cached=100) == 32  # off the grid, nothing changes
 
 
+def test_on_the_grid_a_segment_that_fits_the_budget_goes_whole_and_batches_fill_it():
+    """On the grid, the rest of a segment whose work and build fit the budget left is one call, off the
+    grid (an agent's turn); a longer one is cut on the rung. Short prompts batched together may fill the
+    budget less a build."""
+    s = ChunkSizer(200, 2048, grid=True)
+    s.rate = 8.0
+    assert s.size(cached=1020, rest=300) == 300  # 37.5 ms and a build
+    assert s.size(cached=0, rest=1300) == 1024  # 162.5 ms and a build do not fit: the rung
+    assert s.size(spent_ms=150, cached=0, rest=300) == 0  # nor in the 50 ms left, nor does a rung
+    assert s.room() == 1200 and s.room(spent_ms=100) == 400
+    assert ChunkSizer(200, 2048).room() == ChunkSizer(200, 2048).size()  # off the grid: the chunk
+
+
 def test_on_the_grid_a_shape_counts_as_met_while_mlx_would_keep_its_graph():
     """The grid remembers the last MAX_SHAPES shapes, as MLX keeps that many attention graphs: a
-    shape met again is timed; one pushed out since is a first meeting again."""
-    from mlxrt.worker.prefill import MAX_SHAPES
+    shape met again costs no build and is timed whole; one pushed out since is a first meeting again."""
+    from mlxrt.worker.prefill import BUILD_MS, MAX_SHAPES
 
     s = ChunkSizer(200, 2048, grid=True)
-    s.record(1024, 0.2, (1, 1024, 1024))
+    s.record(1024, 0.09, (1, 1024, 1024))  # first met, under two builds: mostly the build, not timed
+    assert s.rate is None
     s.record(1024, 0.2, (1, 1024, 1024))
     assert s.rate == pytest.approx(5.12)
+    assert s.cost_ms(1024, 0) == pytest.approx(200) and s.cost_ms(1024, 1024) == pytest.approx(200 + BUILD_MS)
     for k in range(MAX_SHAPES):
-        s.record(1024, 0.1, (1, 1024, 2048 + k))  # new shapes: not timed
+        s.record(1024, 0.09, (1, 1024, 2048 + k))  # new shapes, mostly builds: not timed
     assert s.rate == pytest.approx(5.12)
-    s.record(1024, 0.1, (1, 1024, 1024))  # pushed out by them: new again
+    s.record(1024, 0.09, (1, 1024, 1024))  # pushed out by them: new again
     assert s.rate == pytest.approx(5.12)
-    s.record(1024, 0.1, (1, 1024, 2048 + MAX_SHAPES - 1))  # still kept: timed
+    s.record(1024, 0.1, (1, 1024, 2048 + MAX_SHAPES - 1))  # still kept: timed whole
     assert s.rate == pytest.approx((5.12 + 10.24) / 2)
 
 

@@ -669,7 +669,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         mlx-lm's); whether it ended an inner segment."""
         sized = self.scheduled and self.kv is None
         before, t0 = len(solo.tokens), time.perf_counter()
-        boundary = solo.prefill(self.sizer.size(cached=before) if sized else None)
+        rest = len(solo.segments[0]) if solo.segments else None
+        boundary = solo.prefill(self.sizer.size(cached=before, rest=rest) if sized else None)
         # The prompt's last token, queued once the prompt is in, is the first decode step's input.
         seconds, n = time.perf_counter() - t0, len(solo.tokens) - before - (not solo.prefilling)
         if n > 0:

@@ -56,8 +56,14 @@ CHUNK_MULTIPLE = 64
 MAX_SKIPS = 8
 #: Weight of the newest chunk in the measured rate (an exponential moving average).
 RATE_WEIGHT = 0.5
-#: On the grid, a chunk may be this many times what the budget asks for (a rung is a power of two).
-RUNG_MARGIN = 1.25
+#: On the grid, a rung is kept while at most this many times what the budget asks for (a rung is a
+#: power of two: without a margin the chunks would flap between two rungs).
+RUNG_MARGIN = 1.1
+#: On the grid, what a chunk of a shape not met before costs beyond its work, ms: its attention graph's
+#: build, measured at 43-56 ms for a chunk of an 8B model and 66-87 ms for a short prompt on an H200
+#: (docs/benchmarks/gpu-h200-scheduler-s9.md). A prior, not measured here: the build's time and the
+#: work's cannot be told apart in one call.
+BUILD_MS = 50.0
 #: Chunk shapes the grid remembers as met, the most recent first out of mind: as many as MLX keeps
 #: attention graphs on CUDA (its `MLX_CUDA_SDPA_CACHE_SIZE`, 256 by default; the two share no state).
 MAX_SHAPES = int(_size) if (_size := os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "")).isdigit() else 256
@@ -107,10 +113,10 @@ def pick(prefills: list[Prefill]) -> Prefill:
     return min(prefills, key=lambda p: (p.remaining, p.order))
 
 
-def batch_rows(prefills: list[Prefill], first: Prefill, size: int, most: int) -> list[Prefill]:
+def batch_rows(prefills: list[Prefill], first: Prefill, size: int, room: int, most: int) -> list[Prefill]:
     """The prompts to prefill in one call: `first` alone unless its current segment fits in `size`
     tokens; then with up to `most` - 1 others whose current segments fit beside it, fewest tokens left
-    first, `size` counting the padding (rows times the longest segment), as mlx-lm batches prompts."""
+    first, `room` counting the padding (rows times the longest segment), as mlx-lm batches prompts."""
     if first.ready or len(first.segments[0]) > size:
         return [first]
     rows, longest = [first], len(first.segments[0])
@@ -118,7 +124,7 @@ def batch_rows(prefills: list[Prefill], first: Prefill, size: int, most: int) ->
         if len(rows) >= most:
             break
         n = len(p.segments[0])
-        if p is first or p.ready or (len(rows) + 1) * max(longest, n) > size:
+        if p is first or p.ready or (len(rows) + 1) * max(longest, n) > room:
             continue
         rows.append(p)
         longest = max(longest, n)
@@ -143,12 +149,16 @@ class ChunkSizer:
     one of them. `budget_ms` 0: every chunk is `ceiling` tokens.
 
     `grid` (MLX's CUDA backend): attention there builds a cuDNN graph for each new (query length,
-    cache length) of a prefill, tens to hundreds of ms each (docs/benchmarks/gpu-h200-scheduler-s9.md),
-    so chunks keep to few shapes: a size is a power of two (a `rung`, kept while the budget allows it
-    within a margin), and a chunk ends where the cache holds a multiple of it, so the cache lengths
-    repeat from prompt to prompt (a piece under `floor` tokens up to the grid takes a rung with it).
-    Only chunks of a shape met before are timed into the rate (a first one's time is mostly the
-    build); until one is, chunks are the largest power of two within `ceiling`, near mlx-lm's step.
+    cache length) of a prefill, tens of ms each (docs/benchmarks/gpu-h200-scheduler-s9.md), so chunks
+    keep to few shapes: a size is a power of two (a `rung`), and a chunk ends where the cache holds a
+    multiple of it, so the cache lengths repeat from prompt to prompt (a piece under `floor` tokens up
+    to the grid takes a rung with it). A chunk of a shape not met before is costed `BUILD_MS` more
+    than its tokens at the rate (the rate is measured net of it), so a step's chunk and its build fit
+    the budget together: a rung is chosen for the budget less a build, and kept while within
+    `RUNG_MARGIN` of it. The rest of a segment that fits the budget whole (a build counted) goes in
+    one call, off the grid: its shape is its own either way, and one call is cheaper than a piece and
+    a rung. Until anything is timed, chunks are the largest power of two within `ceiling`, near
+    mlx-lm's step.
     """
 
     def __init__(self, budget_ms: float, ceiling: int, floor: int = MIN_CHUNK_TOKENS, *,
@@ -157,55 +167,76 @@ class ChunkSizer:
         self.ceiling = ceiling
         self.floor = min(floor, ceiling)
         self.grid = grid
-        #: Tokens per ms measured so far; None until a chunk has been timed.
+        #: Tokens per ms measured so far (on the grid, net of the builds); None until a chunk is timed.
         self.rate: float | None = None
         #: The grid's current chunk size (a power of two); None until the first chunk on the grid.
         self.rung: int | None = None
         self._shapes: OrderedDict[tuple[int, int, int], None] = OrderedDict()
 
-    def size(self, spent_ms: float = 0.0, cached: int = 0) -> int:
+    def size(self, spent_ms: float = 0.0, cached: int = 0, rest: int | None = None) -> int:
         """Tokens for the next chunk, `spent_ms` of this step's budget already used, `cached` tokens in
-        the prompt's cache already; 0 on the grid when no chunk fits what is left of the budget."""
+        the prompt's cache already, `rest` tokens left in its segment (None: unknown); 0 on the grid
+        when no chunk fits what is left of the budget."""
         if self.budget_ms <= 0:
             return self.ceiling
         if not self.grid:
             want = self.floor if self.rate is None else int(self.rate * (self.budget_ms - spent_ms))
             return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
-        rung = self._rung(self.ceiling if self.rate is None else int(self.rate * self.budget_ms))
+        left = self.budget_ms - spent_ms
+        if rest is not None and rest <= self.ceiling and self.cost_ms(rest, cached) <= left:
+            return rest
+        rung = self._rung(self.ceiling if self.rate is None else int(self.rate * (self.budget_ms - BUILD_MS)))
         n = rung - cached % rung
         if n < self.floor and n + rung <= self.ceiling:  # a call of a few tokens is mostly overhead
             n += rung
-        left = None if self.rate is None else self.rate * (self.budget_ms - spent_ms) * RUNG_MARGIN
-        if spent_ms > 0 and left is not None and n > left:
+        if spent_ms > 0 and self.cost_ms(n, cached) > left:
             return 0  # the rest of this step's budget holds no chunk on the grid
         return n
+
+    def room(self, spent_ms: float = 0.0) -> int:
+        """Padded tokens one call of several short prompts may carry in what is left of the budget: on
+        the grid the budget's worth less a build (at least a chunk's); off it, `size`'s."""
+        if not self.grid or self.rate is None or self.budget_ms <= 0:
+            return self.size(spent_ms)
+        return max(0, int(self.rate * (self.budget_ms - spent_ms - BUILD_MS)))
+
+    def cost_ms(self, tokens: int, cached: int) -> float:
+        """What a call of `tokens` over `cached` should take, ms: at the rate, plus a build on the grid
+        for a shape not met before; inf before any chunk is timed."""
+        if self.rate is None:
+            return float("inf")
+        new = self.grid and (1, tokens, cached + tokens) not in self._shapes
+        return tokens / self.rate + (BUILD_MS if new else 0.0)
 
     def _rung(self, want: int) -> int:
         """The grid's chunk size for `want` tokens: the current rung while it is at most
         `RUNG_MARGIN` times `want` and its double would not fit; else the largest power of two
-        within `RUNG_MARGIN` times `want`, in [floor, ceiling]."""
+        within `want`, in [floor, ceiling]."""
         top = 1 << (self.ceiling.bit_length() - 1)
         low = min(top, 1 << max(0, (self.floor - 1).bit_length()))
         r = self.rung
         if r is None or r > RUNG_MARGIN * want or 2 * r <= want:
-            r = 1 << max(0, int(RUNG_MARGIN * want).bit_length() - 1)
+            r = 1 << max(0, max(1, want).bit_length() - 1)
         self.rung = max(low, min(top, r))
         return self.rung
 
     def record(self, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None) -> None:
         """A chunk of `tokens` took `seconds` (its results evaluated); `shape`: (rows, tokens a row,
-        cache length after), which on the grid tells a first-met shape."""
+        cache length after), which on the grid tells a first-met shape, timed net of `BUILD_MS`."""
         if tokens <= 0 or seconds <= 0:
             return
+        ms = seconds * 1e3
         if self.grid and shape is not None:
             new = shape not in self._shapes
             self._shapes[shape] = None
             self._shapes.move_to_end(shape)
             if len(self._shapes) > MAX_SHAPES:
                 self._shapes.popitem(last=False)
-            if new:
-                return
-        rate = tokens / (seconds * 1e3)
+            if new:  # its build is a guess: the chunk times the rate only where it was mostly work
+                if ms < 2 * BUILD_MS:
+                    return
+                ms -= BUILD_MS
+        rate = tokens / ms
         self.rate = rate if self.rate is None else RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.rate
 
 
@@ -340,10 +371,11 @@ class PrefillScheduler:
         spent = 0.0
         while self._prefills and spent * 1e3 < self.sizer.budget_ms:
             first = pick(self._prefills)
-            size = self.sizer.size(spent * 1e3, cached=len(first.tokens))
+            size = self.sizer.size(spent * 1e3, cached=len(first.tokens), rest=len(first.segments[0]))
             if size <= 0:
                 break
-            rows = batch_rows(self._prefills, first, size, self.prefill.batch_prompts)
+            room = max(size, self.sizer.room(spent * 1e3))
+            rows = batch_rows(self._prefills, first, size, room, self.prefill.batch_prompts)
             # The call's attention shape: rows padded to the longest segment, over the longest cache.
             widest, cached = max(len(p.segments[0]) for p in rows), max(len(p.tokens) for p in rows)
             try:
