@@ -338,23 +338,39 @@ def test_on_the_grid_a_segment_that_fits_the_budget_goes_whole_and_batches_fill_
 
 
 def test_on_the_grid_a_shape_counts_as_met_while_mlx_would_keep_its_graph():
-    """The grid remembers the last MAX_SHAPES shapes, as MLX keeps that many attention graphs: a
-    shape met again costs no build and is timed whole; one pushed out since is a first meeting again."""
+    """The grid remembers the last MAX_SHAPES shapes, as MLX keeps that many attention graphs: a shape
+    met again costs no build and is timed whole; a new one is timed net of a build (at most half its
+    time); one pushed out since is a first meeting again."""
     from mlxrt.worker.prefill import BUILD_MS, MAX_SHAPES
 
     s = ChunkSizer(200, 2048, grid=True)
-    s.record(1024, 0.09, (1, 1024, 1024))  # first met, under two builds: mostly the build, not timed
-    assert s.rate is None
-    s.record(1024, 0.2, (1, 1024, 1024))
+    s.record(1024, 0.25, (1, 1024, 1024))  # first met: 200 ms of work
+    assert s.rate == pytest.approx(5.12)
+    s.record(1024, 0.2, (1, 1024, 1024))  # met again: 200 ms, no build
     assert s.rate == pytest.approx(5.12)
     assert s.cost_ms(1024, 0) == pytest.approx(200) and s.cost_ms(1024, 1024) == pytest.approx(200 + BUILD_MS)
     for k in range(MAX_SHAPES):
-        s.record(1024, 0.09, (1, 1024, 2048 + k))  # new shapes, mostly builds: not timed
-    assert s.rate == pytest.approx(5.12)
-    s.record(1024, 0.09, (1, 1024, 1024))  # pushed out by them: new again
-    assert s.rate == pytest.approx(5.12)
-    s.record(1024, 0.1, (1, 1024, 2048 + MAX_SHAPES - 1))  # still kept: timed whole
-    assert s.rate == pytest.approx((5.12 + 10.24) / 2)
+        s.record(1024, 0.25, (1, 1024, 2048 + k))
+    assert s.cost_ms(1024, 2048 + MAX_SHAPES - 1024 - 1) == pytest.approx(200)  # still kept
+    assert s.cost_ms(1024, 0) == pytest.approx(200 + BUILD_MS)  # pushed out by them: new again
+    s.record(1024, 0.06, (1, 1024, 1))  # mostly a build: half of it counts as work, never less
+    assert s.rate == pytest.approx((5.12 + 1024 / 30) / 2)
+
+
+def test_on_the_grid_small_chunks_do_not_keep_the_rung_small():
+    """Tiny chunks' times are mostly builds and overheads: a rate measured on them (here 32-token
+    prompts of 100 ms) still gives rungs of at least GRID_MIN_RUNG tokens, and the rate taken net of
+    the builds climbs as they run."""
+    from mlxrt.worker.prefill import GRID_MIN_RUNG
+
+    s = ChunkSizer(200, 2048, grid=True)
+    s.record(32, 0.1, (1, 32, 32))
+    assert s.size(cached=32) == GRID_MIN_RUNG - 32
+    rates = []
+    for k in range(4):  # 256-token chunks of new shapes, 90 ms each
+        s.record(256, 0.09, (1, 256, 512 + 256 * k))
+        rates.append(s.rate)
+    assert rates == sorted(rates) and s.size(cached=1536) == 512  # 5.4 tokens/ms net: 805 tokens fit
 
 
 def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model, alone):

@@ -64,6 +64,9 @@ RUNG_MARGIN = 1.1
 #: (docs/benchmarks/gpu-h200-scheduler-s9.md). A prior, not measured here: the build's time and the
 #: work's cannot be told apart in one call.
 BUILD_MS = 50.0
+#: The grid's smallest rung: below it a chunk is mostly its build and the call's overhead, and the rate
+#: measured on such chunks would keep them that small (an H200 trace: 32-token chunks of ~90 ms each).
+GRID_MIN_RUNG = 256
 #: Chunk shapes the grid remembers as met, the most recent first out of mind: as many as MLX keeps
 #: attention graphs on CUDA (its `MLX_CUDA_SDPA_CACHE_SIZE`, 256 by default; the two share no state).
 MAX_SHAPES = int(_size) if (_size := os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "")).isdigit() else 256
@@ -153,12 +156,12 @@ class ChunkSizer:
     keep to few shapes: a size is a power of two (a `rung`), and a chunk ends where the cache holds a
     multiple of it, so the cache lengths repeat from prompt to prompt (a piece under `floor` tokens up
     to the grid takes a rung with it). A chunk of a shape not met before is costed `BUILD_MS` more
-    than its tokens at the rate (the rate is measured net of it), so a step's chunk and its build fit
-    the budget together: a rung is chosen for the budget less a build, and kept while within
-    `RUNG_MARGIN` of it. The rest of a segment that fits the budget whole (a build counted) goes in
-    one call, off the grid: its shape is its own either way, and one call is cheaper than a piece and
-    a rung. Until anything is timed, chunks are the largest power of two within `ceiling`, near
-    mlx-lm's step.
+    than its tokens at the rate (the rate is measured net of it, the build taken as at most half the
+    chunk), so a step's chunk and its build fit the budget together: a rung is chosen for the budget
+    less a build, at least `GRID_MIN_RUNG`, and kept while within `RUNG_MARGIN` of it. The rest of a
+    segment that fits the budget whole (a build counted) goes in one call, off the grid: its shape is
+    its own either way, and one call is cheaper than a piece and a rung. Until anything is timed,
+    chunks are the largest power of two within `ceiling`, near mlx-lm's step.
     """
 
     def __init__(self, budget_ms: float, ceiling: int, floor: int = MIN_CHUNK_TOKENS, *,
@@ -213,7 +216,7 @@ class ChunkSizer:
         `RUNG_MARGIN` times `want` and its double would not fit; else the largest power of two
         within `want`, in [floor, ceiling]."""
         top = 1 << (self.ceiling.bit_length() - 1)
-        low = min(top, 1 << max(0, (self.floor - 1).bit_length()))
+        low = min(top, max(GRID_MIN_RUNG, 1 << max(0, (self.floor - 1).bit_length())))
         r = self.rung
         if r is None or r > RUNG_MARGIN * want or 2 * r <= want:
             r = 1 << max(0, max(1, want).bit_length() - 1)
@@ -232,10 +235,8 @@ class ChunkSizer:
             self._shapes.move_to_end(shape)
             if len(self._shapes) > MAX_SHAPES:
                 self._shapes.popitem(last=False)
-            if new:  # its build is a guess: the chunk times the rate only where it was mostly work
-                if ms < 2 * BUILD_MS:
-                    return
-                ms -= BUILD_MS
+            if new:  # its build is a guess: at most half the chunk's time
+                ms = max(ms - BUILD_MS, ms / 2)
         rate = tokens / ms
         self.rate = rate if self.rate is None else RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.rate
 
