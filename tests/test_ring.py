@@ -400,3 +400,22 @@ def test_try_send_refuses_when_full_and_loses_nothing() -> None:
             got = [rx.recv(timeout=1) for _ in range(i)]
             assert got == sent[-i:]
         tx.close()
+
+
+def test_pipe_receiver_keeps_a_frame_cut_by_a_timeout():
+    """A pipe frame that stops halfway: recv times out, and the next call returns it whole once the
+    rest arrives, and the frame after it too (the orchestrator's reader waits in short timeouts)."""
+    from mlxrt.ipc.stdio import _LEN, PipeReceiver
+
+    r, w = os.pipe()
+    rx = PipeReceiver(r)
+    try:
+        data = _LEN.pack(11) + b"hello world" + _LEN.pack(3) + b"end"
+        os.write(w, data[:9])
+        with pytest.raises(TimeoutError):
+            rx.recv(timeout=0.05)
+        os.write(w, data[9:])
+        assert rx.recv(timeout=5) == b"hello world" and rx.recv(timeout=5) == b"end"
+    finally:
+        rx.close()
+        os.close(w)

@@ -142,9 +142,8 @@ class PipeReceiver:
         (n,) = _LEN.unpack_from(self._buf)
         if n > MAX_FRAME_BYTES:
             raise ChannelCorrupt(f"frame length {n} exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
-        # Once the prefix is in, the rest of the frame is owed: wait without a timeout
-        # so a partial read never desynchronises the stream.
-        self._fill(_LEN.size + n, None, in_frame=True)
+        # A timeout mid-frame keeps what came in `_buf`: the next call reads the same prefix again.
+        self._fill(_LEN.size + n, timeout, in_frame=True)
         frame = bytes(self._buf[_LEN.size : _LEN.size + n])
         del self._buf[: _LEN.size + n]
         return frame

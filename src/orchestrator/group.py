@@ -255,7 +255,7 @@ class GroupHandle(WorkerHandle):
             super()._die(error)
             return
         if error is None and self._kill_reason is None:
-            code = self._reap(1.0)
+            code = self._exit_code()
             self._kill_reason = WorkerDied(self._death_story(code))
         self._kill_all()
         super()._die(error)

@@ -71,7 +71,7 @@ log = structlog.get_logger("mlxrt.orchestrator")
 #: main thread has exited (`exit_status`), s: what a death may go unnoticed before its channel closes;
 #: and how often while none is (a child of the worker's that outlives it keeps its channel open).
 DEATH_PROBE_S = 0.01
-IDLE_DEATH_PROBE_S = 1.0
+IDLE_DEATH_PROBE_S = 0.1
 
 
 def exit_status(pid: int) -> int | None:
@@ -418,6 +418,14 @@ class WorkerHandle:
                 self._ring.close()
         self._stderr_thread.join(5.0)
 
+    def _exit_code(self) -> int | None:
+        """The worker's returncode as soon as its main thread has one (`exit_status`), so that its
+        requests go on before its last thread is gone; else after up to 1 s of waiting for the exit."""
+        code = self.proc.poll()
+        if code is None:
+            code = exit_status(self.pid)
+        return self._reap(1.0) if code is None else code
+
     def _reap(self, timeout: float) -> int | None:
         try:
             return self.proc.wait(timeout)
@@ -596,8 +604,8 @@ class WorkerHandle:
         else `IDLE_DEATH_PROBE_S`."""
         gone = False
         while True:
-            try:
-                return self._rx.recv(0.0 if gone else DEATH_PROBE_S if self._sinks else IDLE_DEATH_PROBE_S)
+            try:  # once gone, one more wait: a thread of the worker's may still be finishing a write
+                return self._rx.recv(DEATH_PROBE_S if gone or self._sinks else IDLE_DEATH_PROBE_S)
             except TimeoutError:
                 if gone:
                     raise ChannelClosed(f"worker {self.name} (pid {self.pid}) exited") from None
@@ -647,12 +655,7 @@ class WorkerHandle:
     def _die(self, error: WorkerDied | None) -> None:
         if error is not None:
             self.proc.kill()
-        # its code as soon as the main thread has one: the requests go on before the last thread is gone
-        code = self.proc.poll()
-        if code is None:
-            code = exit_status(self.pid)
-        if code is None:
-            code = self._reap(1.0)
+        code = self._exit_code()
         with self._lock:
             stopping = self._state == "stopping"
             self.crashed = not stopping
