@@ -406,6 +406,30 @@ def test_on_the_grid_the_scheduler_cuts_a_prompt_beside_a_stream_on_the_rung(tin
     assert rec.ids[2] == alone(a) and rec.ids[3] == alone(b)
 
 
+def test_on_the_grid_what_fits_the_budget_goes_in_one_call(tiny_model, alone):
+    """On the grid with a budget that holds them (a fast rate set), beside a decoding stream: a prompt's
+    rest after an odd cached prefix is one call, not a piece and a rung; three short prompts arriving
+    together are one call, past the chunk's tokens; each keeps its tokens alone."""
+    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=10_000, prefill_step_size=STEP))
+    engine.sizer = ChunkSizer(10_000, STEP, grid=True)
+    engine.sizer.rate = 1e6  # tokens per ms
+    engine.model = recording = Recording(engine.model)
+    rec = Events()
+    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
+    recording.ends.clear()
+    a, b = gen(2, short_prompt(0), max_tokens=30), gen(3, LONG[: 45 + STEP - 2], max_tokens=4)
+    run(engine, rec, {0: [a], 2: [b]})
+    assert [e for e in recording.ends if e[1] > len(short_prompt(0))] == [(STEP - 3, 45 + STEP - 3)]
+    before = (engine.prefill_calls, engine.prefill_batched)
+    c = gen(4, short_prompt(0), max_tokens=30)
+    shorts = [gen(5 + k, short_prompt(k + 1), max_tokens=3) for k in range(3)]  # 3 x 11 > STEP tokens
+    run(engine, rec, {0: [c], 2: shorts})
+    # one call for the three (c, alone then, went the fast path's way)
+    assert (engine.prefill_calls - before[0], engine.prefill_batched - before[1]) == (1, 3)
+    for r in [a, b, c, *shorts]:
+        assert rec.ids[r.id] == alone(r)
+
+
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):
     """A negative budget is refused naming the field; MLXRT_PREFILL_BUDGET_MS sets it."""
     with pytest.raises(ValueError, match="prefill_budget_ms"):

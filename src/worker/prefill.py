@@ -192,13 +192,15 @@ class ChunkSizer:
         n = rung - cached % rung
         if n < self.floor and n + rung <= self.ceiling:  # a call of a few tokens is mostly overhead
             n += rung
-        if spent_ms > 0 and self.cost_ms(n, cached) > left:
+        if spent_ms > 0 and self.cost_ms(n if rest is None else min(n, rest), cached) > left:
             return 0  # the rest of this step's budget holds no chunk on the grid
         return n
 
     def room(self, spent_ms: float = 0.0) -> int:
         """Padded tokens one call of several short prompts may carry in what is left of the budget: on
-        the grid the budget's worth less a build (at least a chunk's); off it, `size`'s."""
+        the grid the budget's worth less a build (the caller takes at least a chunk's; like mlx-lm's
+        prompt batches, it may pass `ceiling`, the rows being at most `prompt_concurrency`); off it,
+        `size`'s."""
         if not self.grid or self.rate is None or self.budget_ms <= 0:
             return self.size(spent_ms)
         return max(0, int(self.rate * (self.budget_ms - spent_ms - BUILD_MS)))
