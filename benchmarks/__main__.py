@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="ARGS",
         help="also run the agents on mlxrt serve started with ARGS added, alternating with the others in the"
         " same rounds (an A/B of a serve flag, e.g. --agent-mlxrt-args=--gather-ms=0, or of its environment:"
-        " NAME=value); once per variant",
+        " leading NAME=value words); once per variant",
     )
     p.add_argument(
         "--full",

@@ -26,8 +26,8 @@ engine's.
 ``mlxrt-http ARGS`` (``--agent-mlxrt-args ARGS``, once per variant) is one more mlxrt serve
 started with ARGS added after the shared flags (a repeated flag is the variant's), in the same
 rounds: an A/B of a serve flag on the same workload, such as ``--gather-ms=0`` against the
-default. A ``NAME=value`` word in ARGS sets the server's environment instead (its workers
-inherit it), e.g. ``MLX_CUDA_USE_CUDNN_SDPA=0``. Its uncached reference is mlxrt-http's (the same
+default. ``NAME=value`` words leading ARGS set the server's environment instead, as a shell's do
+(its workers inherit it), e.g. ``MLX_CUDA_USE_CUDNN_SDPA=0``. Its uncached reference is mlxrt-http's (the same
 final-turn prompts where the replies are the same).
 
 Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
@@ -471,7 +471,7 @@ def same_replies(a: list[Reply], b: list[Reply]) -> float | None:
 def _factories(
     model_path: str, sizes: Sizes, variants: Sequence[list[str]]
 ) -> dict[str, Callable[[list[str]], Any]]:
-    from .http_scenario import HttpStream, MlxLmServer
+    from .http_scenario import HttpStream, MlxLmServer, leading_env
 
     out: dict[str, Callable[[list[str]], Any]] = {
         "mlxrt-http": lambda extra: HttpStream(model_path, extra_args=extra),
@@ -479,8 +479,12 @@ def _factories(
         NATIVE: lambda extra: NativeAgents(model_path, prompt_cache_bytes=sizes.prompt_cache_bytes),
     }
     for args in variants:
-        # the variant's own flags last: where one repeats a shared flag (the cache cap), the variant's wins
-        out[variant_name(args)] = lambda extra, args=args: HttpStream(model_path, extra_args=[*extra, *args])
+        # the variant's own flags last: where one repeats a shared flag (the cache cap), the variant's wins;
+        # its environment words first, as HttpStream reads them
+        n = leading_env(args)
+        env, flags = args[:n], args[n:]
+        out[variant_name(args)] = lambda extra, env=env, flags=flags: HttpStream(
+            model_path, extra_args=[*env, *extra, *flags])
     return out
 
 

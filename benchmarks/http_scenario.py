@@ -52,7 +52,7 @@ HTTP_TIMEOUT_S = 600.0
 MODEL_NAME = "bench"
 #: Where server processes write their stderr for reading afterwards (else a temporary file).
 LOG_DIR_ENV = "MLXRT_BENCH_SERVER_LOGS"
-#: A server variant's word that sets its environment rather than a flag (MLX_CUDA_USE_CUDNN_SDPA=0).
+#: A server variant's leading word that sets its environment rather than a flag (MLX_CUDA_USE_CUDNN_SDPA=0).
 ENV_WORD = re.compile(r"[A-Z][A-Z0-9_]*=")
 
 
@@ -216,6 +216,11 @@ class _ServerProcess:
             self._log = None
 
 
+def leading_env(words: Sequence[str]) -> int:
+    """How many of `words`, from the first, are NAME=value environment words (`ENV_WORD`)."""
+    return next((i for i, a in enumerate(words) if not ENV_WORD.match(a)), len(words))
+
+
 class HttpStream(_ServerProcess):
     """``mlxrt serve`` (one worker), streaming /v1/completions with token ids in and out."""
 
@@ -229,9 +234,10 @@ class HttpStream(_ServerProcess):
         super().__init__()
         self.model_path = model_path
         self.transport = transport
-        # NAME=value words are the server's environment (its workers inherit it), the rest its flags
-        self.env = dict(a.split("=", 1) for a in extra_args if ENV_WORD.match(a))
-        self.extra_args = [a for a in extra_args if not ENV_WORD.match(a)]
+        # leading NAME=value words are the server's environment (its workers inherit it), as a shell's
+        lead = leading_env(extra_args)
+        self.env = dict(a.split("=", 1) for a in extra_args[:lead])
+        self.extra_args = list(extra_args[lead:])
 
     def setup(self) -> None:
         self.port = _free_port()

@@ -663,6 +663,20 @@ def test_a_failing_concurrency_part_keeps_the_single_stream_figures(tmp_path, mo
     assert "out of memory" in captured.err and "not checked, no reference ids: mlxrt-w1" in captured.out
 
 
+def test_a_variants_leading_environment_words_reach_its_server(tiny_model):
+    """A server variant's leading NAME=value words are its process's environment, as a shell's: a bad
+    MLXRT_PREFILL_BUDGET_MS stops that server naming the knob; a later word stays a flag's value."""
+    from benchmarks.http_scenario import HttpStream
+    from benchmarks.scenarios import Skipped
+
+    later = HttpStream(tiny_model, extra_args=["--chat-template", "A=1"])
+    assert later.env == {} and later.extra_args == ["--chat-template", "A=1"]
+    bad = HttpStream(tiny_model, extra_args=["MLXRT_PREFILL_BUDGET_MS=-1"])
+    assert bad.env == {"MLXRT_PREFILL_BUDGET_MS": "-1"} and bad.extra_args == []
+    with pytest.raises(Skipped, match="prefill.budget.ms"):
+        bad.setup()
+
+
 CAP = 50_000_000  # bytes: the agent test's prompt cache cap, ample for tiny's chats
 
 
@@ -672,7 +686,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     sizes = ["--agents", "2", "--turns", "2", "--reply-tokens", "4", "--system-words", "40"]
     sizes += ["--prompt-cache-bytes", str(CAP)]  # one cap on every server
     # and one more mlxrt serve, with a flag added and its environment set (CUDA's; a no-op on the CPU)
-    sizes += ["--agent-mlxrt-args=--gather-ms=0 MLX_CUDA_USE_CUDNN_SDPA=0"]
+    sizes += ["--agent-mlxrt-args=MLX_CUDA_USE_CUDNN_SDPA=0 --gather-ms=0"]
     cmd = [sys.executable, "-m", "benchmarks", "--model", "synthetic:tiny", "--part", "agent", *sizes]
     cmd += ["--json", str(out_json)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -684,7 +698,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     want = {"agents": 2, "turns": 2, "reply_tokens": 4, "system_words": 40, "user_words": agents.USER_WORDS,
             "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
     assert ag["sizes"] == want  # no warm-up round on a CPU
-    variant = "mlxrt-http --gather-ms=0 MLX_CUDA_USE_CUDNN_SDPA=0"
+    variant = "mlxrt-http MLX_CUDA_USE_CUDNN_SDPA=0 --gather-ms=0"
     assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", variant, "mlx_lm.server", agents.NATIVE}
     assert {"mlxrt-http", variant} <= set(ag["servers"]), (ag["skipped"], proc.stderr[-3000:])
     for sv in ag["servers"].values():
@@ -706,7 +720,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     assert v["uncached"] == ag["servers"]["mlxrt-http"]["uncached"] and v["uncached_from"] == "mlxrt-http"
     assert ag["same_replies_pct"]["native-engine"] == 100.0  # in-process, the same replies as the server
     assert ag["same_replies_pct"][variant] == 100.0  # gathering changes when requests start, not their ids
-    assert doc["config"]["agent_mlxrt_args"] == [["--gather-ms=0", "MLX_CUDA_USE_CUDNN_SDPA=0"]]
+    assert doc["config"]["agent_mlxrt_args"] == [["MLX_CUDA_USE_CUDNN_SDPA=0", "--gather-ms=0"]]
     assert doc["config"]["agent"]["agents"] == 2 and doc["env"]["commit"]
     assert "agents: 2 agents at once x 2 turns" in proc.stdout
     assert f"{variant} aggregate" in proc.stdout
