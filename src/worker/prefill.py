@@ -216,7 +216,7 @@ class ChunkSizer:
     def _rung(self, want: int) -> int:
         """The grid's chunk size for `want` tokens: the current rung while it is at most
         `RUNG_MARGIN` times `want` and its double would not fit; else the largest power of two
-        within `want`, in [floor, ceiling]."""
+        within `want`; at least `GRID_MIN_RUNG` (and `floor`), at most `ceiling`."""
         top = 1 << (self.ceiling.bit_length() - 1)
         low = min(top, max(GRID_MIN_RUNG, 1 << max(0, (self.floor - 1).bit_length())))
         r = self.rung
@@ -227,7 +227,8 @@ class ChunkSizer:
 
     def record(self, tokens: int, seconds: float, shape: tuple[int, int, int] | None = None) -> None:
         """A chunk of `tokens` took `seconds` (its results evaluated); `shape`: (rows, tokens a row,
-        cache length after), which on the grid tells a first-met shape, timed net of `BUILD_MS`."""
+        cache length after), which on the grid tells a first-met shape, timed net of a build
+        (`BUILD_MS`, at most half its time)."""
         if tokens <= 0 or seconds <= 0:
             return
         ms = seconds * 1e3
