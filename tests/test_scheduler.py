@@ -373,15 +373,24 @@ def test_on_the_grid_small_chunks_do_not_keep_the_rung_small():
     assert rates == sorted(rates) and s.size(cached=1536) == 512  # 5.4 tokens/ms net: 805 tokens fit
 
 
+def grid_engine(model: str, budget_ms: int, rate: float | None = None) -> tuple[Engine, Recording, Events]:
+    """An engine whose chunks keep to the grid (as on CUDA), `budget_ms` a step (its rate preset to
+    `rate` tokens/ms, if given), its prefill calls recorded, with 45 tokens of LONG already cached."""
+    engine = Engine(model, options=EngineOptions(prefill_budget_ms=budget_ms, prefill_step_size=STEP))
+    engine.sizer = ChunkSizer(budget_ms, STEP, grid=True)
+    engine.sizer.rate = rate
+    engine.model = recording = Recording(engine.model)
+    rec = Events()
+    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
+    recording.ends.clear()
+    return engine, recording, rec
+
+
 def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model, alone):
     """A prompt that finds 45 tokens cached, prefilled on the grid: its first chunk fills the cache to
     the next multiple of the rung, every other chunk but its last ends on one; its tokens stay its own."""
-    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP))
-    engine.sizer = ChunkSizer(1, STEP, grid=True)
-    engine.model = recording = Recording(engine.model)
-    rec, ends = Events(), recording.ends
-    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
-    ends.clear()
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    ends = recording.ends
     b = gen(2, LONG, max_tokens=4)
     run(engine, rec, {0: [b]})
     assert ends[0] == (STEP - 45 % STEP, 2 * STEP)
@@ -392,12 +401,7 @@ def test_on_the_grid_a_prompt_after_an_odd_prefix_is_cut_on_the_rung(tiny_model,
 def test_on_the_grid_the_scheduler_cuts_a_prompt_beside_a_stream_on_the_rung(tiny_model, alone):
     """With a stream decoding (so the scheduler, not the fast path, prefills), a prompt that finds 45
     tokens cached is cut on the grid as a lone one is; both keep their tokens alone."""
-    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=1, prefill_step_size=STEP))
-    engine.sizer = ChunkSizer(1, STEP, grid=True)
-    engine.model = recording = Recording(engine.model)
-    rec = Events()
-    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
-    recording.ends.clear()
+    engine, recording, rec = grid_engine(tiny_model, 1)
     a, b = gen(2, short_prompt(4), max_tokens=30), gen(3, LONG, max_tokens=4)
     run(engine, rec, {0: [a], 2: [b]})
     ends = [e for e in recording.ends if e[1] > len(short_prompt(4))]  # B's chunks, not A's prompt
@@ -410,13 +414,7 @@ def test_on_the_grid_what_fits_the_budget_goes_in_one_call(tiny_model, alone):
     """On the grid with a budget that holds them (a fast rate set), beside a decoding stream: a prompt's
     rest after an odd cached prefix is one call, not a piece and a rung; three short prompts arriving
     together are one call, past the chunk's tokens; each keeps its tokens alone."""
-    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=10_000, prefill_step_size=STEP))
-    engine.sizer = ChunkSizer(10_000, STEP, grid=True)
-    engine.sizer.rate = 1e6  # tokens per ms
-    engine.model = recording = Recording(engine.model)
-    rec = Events()
-    run(engine, rec, {0: [gen(1, LONG[:45] + [7, 8, 9], max_tokens=2)]})
-    recording.ends.clear()
+    engine, recording, rec = grid_engine(tiny_model, 10_000, rate=1e6)
     a, b = gen(2, short_prompt(0), max_tokens=30), gen(3, LONG[: 45 + STEP - 2], max_tokens=4)
     run(engine, rec, {0: [a], 2: [b]})
     assert [e for e in recording.ends if e[1] > len(short_prompt(0))] == [(STEP - 3, 45 + STEP - 3)]
