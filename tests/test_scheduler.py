@@ -156,12 +156,13 @@ def slowed(engine):
 
 
 def run(engine: Engine, rec: Events, arrivals: dict[int, list[Generate]]) -> None:
-    """Step until idle, submitting arrivals[k] before step k."""
+    """Step until idle, submitting arrivals[k] before step k; ("step", k) noted after step k."""
     k = 0
     while engine.busy or any(s >= k for s in arrivals):
         for req in arrivals.get(k, []):
             engine.submit(req, rec)
         engine.step()
+        rec.events.append(("step", k))
         k += 1
 
 
@@ -175,9 +176,8 @@ def test_a_decodes_between_the_chunks_of_a_long_prompt(slowed, alone):
     b_chunks = [i for i, e in enumerate(ev) if e == ("chunk", 2)]
     assert len(b_chunks) == len(LONG) // STEP  # the whole prompt, one chunk per step
     assert rec.first("started", 2) < b_chunks[0] and b_chunks[-1] < rec.first("token", 2)
-    # From B's second chunk on: at B's first, A moves from the fast path into the batch, whose first
-    # step for it only queues its next token (it got one token at the move).
-    for lo, hi in zip(b_chunks[1:], b_chunks[2:], strict=False):
+    # At B's first chunk A moves from the fast path into the batch; it decodes in that very step.
+    for lo, hi in zip(b_chunks, b_chunks[1:], strict=False):
         assert ("token", 1) in ev[lo:hi], f"A got no token between B's chunks at {lo} and {hi}: {ev}"
     assert rec.ids == want
     assert rec.stats[2].prefill_ms > 0 and rec.stats[1].longest_gap_ms > 0
@@ -209,6 +209,22 @@ def test_a_lone_prompt_being_prefilled_lets_a_short_one_ahead(slowed, alone):
     assert rec.ids == want
 
 
+def test_a_prompt_gets_its_first_token_in_the_step_that_ends_its_prefill(slowed, alone):
+    """C, prefilled in one chunk beside a decoding A, gets its first token in that chunk's step, not a
+    step (a budget's prefill) later; B's last chunk likewise; all keep their tokens alone."""
+    engine, rec = slowed
+    a, b, c = gen(1, short_prompt(3), max_tokens=30), gen(2, long_prompt(5, 3), 4), gen(3, short_prompt(4), 4)
+    want = {1: alone(a), 2: alone(b), 3: alone(c)}
+    run(engine, rec, {0: [a], 2: [b], 3: [c]})
+    ev = rec.events
+    for rid in (3, 2):
+        last_chunk = max(i for i, e in enumerate(ev) if e == ("chunk", rid))
+        first_token = rec.first("token", rid)
+        assert last_chunk < first_token
+        assert not [e for e in ev[last_chunk:first_token] if e[0] == "step"], f"{rid} waited a step: {ev}"
+    assert rec.ids == want
+
+
 def test_a_stream_of_long_prompts_does_not_starve_a_short_one(slowed, alone):
     """Long prompts keep arriving; a short one arriving among them is prefilled at once, and long ones
     take turns: none is passed over more than MAX_SKIPS chunks in a row."""
@@ -233,7 +249,7 @@ def test_a_flood_of_short_prompts_does_not_starve_a_long_one(slowed, alone):
     want = {2: alone(b), **{s.id: alone(s) for s in shorts}}
     engine.submit(b, rec)
     sent = 0
-    while engine.busy:
+    while engine.busy or sent < len(shorts):
         waiting = engine._waiting or any(p.seq.req.id != 2 for p in engine._prefills)
         if sent < len(shorts) and not waiting:
             engine.submit(shorts[sent], rec)
@@ -304,7 +320,7 @@ def test_chunks_follow_the_measured_rate_within_their_bounds():
 def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
     """On the grid (CUDA): a chunk is a power of two of tokens, cut to end where the cache holds a
     multiple of it, sized so that its work and a graph's build fit the budget; the rung holds within
-    its margin; a step's budget left too small for the next chunk gives 0."""
+    its margin; a step's budget left too small for the next chunk, or under half of it, gives 0."""
     s = ChunkSizer(200, 2048, grid=True)
     assert s.size() == 2048 and s.size(cached=100) == 1948  # nothing timed yet: the top rung, as mlx-lm
     s.record(2048, 0.3, (1, 2048, 2048))  # a first-met shape: timed net of a build, 2048 in 250 ms
@@ -320,6 +336,7 @@ def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
     assert s.size() == 1024
     assert s.size(spent_ms=100) == 0  # 128 ms of work and a build do not fit the 100 ms left
     assert s.size(spent_ms=100, cached=800) == 224  # 28 ms and a build do
+    assert s.size(spent_ms=101, cached=800) == 0  # but under half the budget is left: no next call
     assert s.size(cached=1020) == 1028  # 4 tokens to the grid: they take a rung with them
     assert ChunkSizer(200, 2048).size(cached=100) == 32  # off the grid, nothing changes
 
@@ -332,7 +349,7 @@ def test_on_the_grid_a_segment_that_fits_the_budget_goes_whole_and_batches_fill_
     s.rate = 8.0
     assert s.size(cached=1020, rest=300) == 300  # 37.5 ms and a build
     assert s.size(cached=0, rest=1300) == 1024  # 162.5 ms and a build do not fit: the rung
-    assert s.size(spent_ms=150, cached=0, rest=300) == 0  # nor in the 50 ms left, nor does a rung
+    assert s.size(spent_ms=100, cached=0, rest=500) == 0  # 62.5 ms and a build: not in the 100 ms left
     assert s.room() == 1200 and s.room(spent_ms=100) == 400
     assert ChunkSizer(200, 2048).room() == ChunkSizer(200, 2048).size()  # off the grid: the chunk
 

@@ -332,21 +332,30 @@ class Engine(PromptBuilder, PrefillScheduler):
             return
         if self._prefills:
             self._prefill_step()
-        if not self._running:
-            return
+        # A sequence that joined the batch at its last token decodes its first token in the call after
+        # the one that takes it in: on the scheduler's path that call comes now, not after the next
+        # step's prefill (a budget's worth later). mlx-lm's own prefill has its next prompts' work there.
+        if self._running and self._batch_step() and self.scheduled and self._running:
+            self._batch_step()
+
+    def _batch_step(self) -> bool:
+        """One step of the batch (`BatchGenerator.next`): a token for every decoding sequence, its
+        checkpoints, mlx-lm's prompt work; whether a sequence's prompt ended in it (its first token
+        comes in the next call). A failure fails the batch's sequences (`_fail_batch`)."""
         self._plan_masks()
         try:
             prompt_responses, gen_responses = self._batch.next()
         except Exception as exc:
             reseed()
             self._fail_batch(exc)
-            return
+            return False
         finally:
             self.masks.clear()
         for r in prompt_responses:
             if r.end_of_segment and not r.end_of_prompt:
                 self._checkpoint(self._running[r.uid])
         self._deliver(gen_responses)
+        return any(r.end_of_prompt for r in prompt_responses)
 
     def report(self) -> EngineReport:
         """The queue, the batch and the prefix cache, now (safe to read from another thread)."""

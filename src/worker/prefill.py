@@ -67,6 +67,10 @@ BUILD_MS = 50.0
 #: The grid's smallest rung: below it a chunk is mostly its build and the call's overhead, and the rate
 #: measured on such chunks would keep them that small (an H200 trace: 32-token chunks of ~90 ms each).
 GRID_MIN_RUNG = 256
+#: On the grid, a step's next call starts only while this share of the budget is left: a call's fixed
+#: costs (its launches, attention over a deep cache) are not in the rate, and a small call is mostly them
+#: (an H200 trace: the 423 tokens after 24,576 of an 8B prompt took 85 ms, costed 47).
+SECOND_CALL_LEFT = 0.5
 #: Chunk shapes the grid remembers as met, the most recent first out of mind: as many as MLX keeps
 #: attention graphs on CUDA (its `MLX_CUDA_SDPA_CACHE_SIZE`, 256 by default; the two share no state).
 MAX_SHAPES = int(_size) if (_size := os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "")).isdigit() else 256
@@ -160,7 +164,8 @@ class ChunkSizer:
     chunk), so a step's chunk and its build fit the budget together: a rung is chosen for the budget
     less a build, at least `GRID_MIN_RUNG`, and kept while within `RUNG_MARGIN` of it. The rest of a
     segment that fits the budget whole (a build counted) goes in one call, off the grid: its shape is
-    its own either way, and one call is cheaper than a piece and a rung. Until anything is timed,
+    its own either way, and one call is cheaper than a piece and a rung. A step's next call starts only
+    while `SECOND_CALL_LEFT` of the budget is left. Until anything is timed,
     chunks are the largest power of two within `ceiling`, near mlx-lm's step.
     """
 
@@ -186,6 +191,8 @@ class ChunkSizer:
             want = self.floor if self.rate is None else int(self.rate * (self.budget_ms - spent_ms))
             return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
         left = self.budget_ms - spent_ms
+        if left < self.budget_ms * SECOND_CALL_LEFT:
+            return 0
         if rest is not None and rest <= self.ceiling and self.cost_ms(rest, cached) <= left:
             return rest
         rung = self._rung(self.ceiling if self.rate is None else int(self.rate * (self.budget_ms - BUILD_MS)))
@@ -312,6 +319,7 @@ class PrefillScheduler:
 
     if TYPE_CHECKING:
         def _failed(self, seq: Sequence, exc: BaseException) -> None: ...
+        def _admit(self) -> None: ...
 
     def _insert(self, seq: Sequence) -> None:
         if seq.start is not None:  # a choice forked at the end of its leader's prompt
@@ -404,11 +412,14 @@ class PrefillScheduler:
             self.prefill_batched += len(rows) if len(rows) > 1 else 0
             passed_over(self._prefills, rows, seconds)
             spent += seconds
+            leaders = len(self._leaders)
             for p in rows:
                 if ended and p.segments:
                     self._boundary(p)
                 if p.ready:
                     self._join(p)
+            if len(self._leaders) < leaders and self._waiting:
+                self._admit()  # a system prompt's checkpoint is in: its followers start, in this budget
 
     def _boundary(self, p: Prefill) -> None:
         """`p`'s prefill reached a segment's end: keep its checkpoint, release its forks, as the batch's
