@@ -1,6 +1,6 @@
 # A throwaway probe of session 11 (not part of the harness): a burst's time, step by step, in-process:
 # mlx-lm's BatchGenerator as the harness's native-batch runs it against mlxrt's Engine, interleaved.
-#   python docs/benchmarks/data/probes-s11/steps.py MODEL N[,N..] GAP_MS[,GAP_MS..] [ROUNDS]
+#   python docs/benchmarks/data/probes-s11/steps.py MODEL N[,N..] GAP_MS[,GAP_MS..] [ROUNDS] [BUDGET[,..]]
 # N prompts of $PROMPT tokens (512), $GEN tokens each (256), greedy, EOS off. For each: wall, tok/s, TTFT,
 # the steps until every stream decodes (and their time), and the steady state's step: the median of
 # BatchGenerator.next and of the rest of a step (the engine's own work).
@@ -12,10 +12,10 @@ import time
 sys.path.insert(0, ".")
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlxrt.ipc.protocol import Generate, SamplingParams  # noqa: E402
 
 from benchmarks.e2e import make_prompt, model_tokenizer  # noqa: E402
 from benchmarks.interleave import EngineTarget, _schedule, _Times  # noqa: E402
-from mlxrt.ipc.protocol import Generate, SamplingParams  # noqa: E402
 
 PROMPT, GEN = int(os.environ.get("PROMPT", 512)), int(os.environ.get("GEN", 256))
 NEXT: list[tuple[float, float, int]] = []  # start, seconds, decoding rows
@@ -41,7 +41,8 @@ def summary(label, n, wall, ttft, steps, n_tokens):
     nxt = [s[3] for s in warm if s[3] is not None]
     nxt_ms = statistics.median(nxt) * 1e3 if nxt else step_ms
     print(f"  {label:28s} {n_tokens / wall:8.1f} tok/s  wall {wall:5.2f} s  TTFT median "
-          f"{statistics.median(ttft):5.0f} ms [{min(ttft):.0f}-{max(ttft):.0f}]  until all decode: {head} steps "
+          f"{statistics.median(ttft):5.0f} ms [{min(ttft):.0f}-{max(ttft):.0f}]  "
+          f"until all decode: {head} steps "
           f"{sum(s[1] for s in steps[:head]) * 1e3:.0f} ms; steady step {step_ms:.2f} ms "
           f"(next {nxt_ms:.2f}, rest {step_ms - nxt_ms:.2f}) x {len(warm)}", flush=True)
 
@@ -98,15 +99,20 @@ if __name__ == "__main__":
     ns = [int(x) for x in sys.argv[2].split(",")]
     gaps = [float(x) for x in sys.argv[3].split(",")]
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    budgets = sys.argv[5].split(",") if len(sys.argv) > 5 else ["auto"]
     path, tok = model_tokenizer(model)
-    t = EngineTarget("engine", model, None)
-    print(f"mlx {mx.__version__}, device {mx.default_device()}, engine decode_concurrency "
-          f"{t.engine.decode_concurrency}, budget {t.engine.sizer.budget_ms} scheduled {t.engine.scheduled}",
-          flush=True)
+    engines = [EngineTarget(f"budget {b}", model, None if b == "auto" else int(b)) for b in budgets]
+    for t in engines:
+        print(f"mlx {mx.__version__}, device {mx.default_device()}, engine decode_concurrency "
+              f"{t.engine.decode_concurrency}, budget {t.engine.sizer.budget_ms} "
+              f"scheduled {t.engine.scheduled}",
+              flush=True)
+    t = engines[0]
     for r in range(rounds + 1):  # round 0 builds the shapes
         for n in ns:
             prompts = [make_prompt(tok, PROMPT, start=1000 * r + 7 * i + 100 * n)[0] for i in range(n)]
             print(f"round {r}, {n} streams{' (warm-up)' if r == 0 else ''}:", flush=True)
             native(t.engine.model, prompts)
-            for g in gaps:
-                engine(t, prompts, g, f"engine, {g:g} ms apart")
+            for t in engines:
+                for g in gaps:
+                    engine(t, prompts, g, f"{t.name}, {g:g} ms apart")
