@@ -181,7 +181,7 @@ def default_disk_cache_dir() -> str:
     return os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME") or "~/.cache"), "mlxrt",
                         "prompt-cache")
 
-#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens, gather_ms,
+#: mlx_lm.server's flags for the same knobs, with the same names; embed_batch_tokens, gather_ms, burst_ms,
 #: prefill_budget_ms, prompt_cache_disk_bytes and prompt_cache_warm_bytes are mlxrt's own.
 ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
@@ -189,12 +189,15 @@ ENGINE_FLAGS = {
     "prefill_step_size": "prompt tokens per prefill step",
     "prefill_budget_ms": "ms of prefill between two decode steps: a long prompt is prefilled in chunks "
                          "sized to it on this machine, at most prefill_step_size tokens (0: mlx-lm's own "
-                         "prefill; auto: 200, but 0 on CUDA; mlxrt's own)",
+                         "prefill; auto: 200; mlxrt's own)",
     "prompt_cache_bytes": "byte cap of each worker's prompt-prefix cache (0: no reuse; auto: an eighth of "
                           "the memory MLX may use, 1-64 GiB)",
     "embed_batch_tokens": "an embedding model's padded tokens per forward pass (mlxrt's own)",
     "gather_ms": "after several replies end together, ms to hold new requests back so that their "
                  "prefills go together (0: admit at once; mlxrt's own)",
+    "burst_ms": "on an idle worker, ms with no new request before those queued are admitted, so that a "
+                "burst's prefills go together (at most gather_ms from the first; 0: admit at once; "
+                "mlxrt's own)",
     "prompt_cache_disk_bytes": "byte budget of the prefix cache's disk tier under --prompt-cache-dir "
                                "(0: no disk tier; mlxrt's own)",
     "prompt_cache_warm_bytes": "bytes of the disk tier's newest entries a started worker reads back into "

@@ -1,4 +1,5 @@
-"""The worker's Server gathers the follow-ups of replies that ended together into one prefill.
+"""The worker's Server gathers the follow-ups of replies that ended together, and a burst reaching an idle
+worker, into one prefill.
 
 The Server runs as in the worker process (its serve loop on its own thread, frames out through an
 Outbox over a pipe), with a real Engine on the tiny model; requests come in through `on_message`, as
@@ -44,8 +45,8 @@ def gen(i: int, prompt: str = "the river runs past the mill and") -> Generate:
 class Served:
     """A Server on its own thread; the frames it sends, and the step each request was submitted at."""
 
-    def __init__(self, model: str, gather_ms: int, leader: bool) -> None:
-        self.engine = engine = Engine(model, options=EngineOptions(gather_ms=gather_ms))
+    def __init__(self, model: str, gather_ms: int, leader: bool, burst_ms: int = 0) -> None:
+        self.engine = engine = Engine(model, options=EngineOptions(gather_ms=gather_ms, burst_ms=burst_ms))
         self.steps = 0
         self.submitted: dict[int, int] = {}
         step, submit = engine.step, engine.submit
@@ -112,8 +113,8 @@ def group_of_one() -> RankGroup:
 def served(request, tiny_model):
     made: list[Served] = []
 
-    def make(gather_ms: int) -> Served:
-        made.append(Served(tiny_model, gather_ms, leader=request.param != "worker"))
+    def make(gather_ms: int, burst_ms: int = 0) -> Served:
+        made.append(Served(tiny_model, gather_ms, leader=request.param != "worker", burst_ms=burst_ms))
         return made[-1]
 
     yield make
@@ -159,6 +160,19 @@ def test_a_lone_reply_holds_nothing_back(served):
     s.send(gen(2))
     s.ended({2}, 60)
     assert holds and set(holds) == {0.0}  # never held back
+
+
+def test_a_burst_on_an_idle_worker_is_admitted_together(served):
+    """Requests 20 ms apart reaching an idle worker go in one step while each comes within burst_ms of
+    the last; with burst_ms 0 (and 200 ms apart) the first goes alone. Each ends as it should."""
+    for burst_ms, gap_s, together in ((100, 0.02, True), (0, 0.2, False)):
+        s = served(LONG_MS, burst_ms)
+        for i in (1, 2, 3):
+            s.send(gen(i))
+            time.sleep(gap_s)
+        done = s.ended({1, 2, 3}, 60)
+        assert all(d.stats.finish_reason == "length" for d in done.values())
+        assert (s.submitted[1] == s.submitted[2] == s.submitted[3]) is together, (burst_ms, s.submitted)
 
 
 def test_a_request_cancelled_while_held_back_ends_cancelled(served):
@@ -217,9 +231,24 @@ def test_a_wave_during_a_hold_joins_it_and_never_extends_it():
     assert g.hold(1, oldest=0.99, now=1.03) == pytest.approx(0.01)  # queued before the wave: its own window
 
 
-def test_gather_ms_is_checked():
-    """The option is bounded: a negative or huge window is refused by name."""
-    assert EngineOptions().gather_ms == 50
+def test_a_burst_is_held_until_quiet_on_an_idle_worker_only():
+    """The burst hold's arithmetic: on an idle worker, until `quiet_s` after the newest request, at
+    most the window (or `quiet_s`) after the oldest; a busy worker, or quiet_s 0, holds nothing."""
+    g = Gather(0.05, 0.002)
+    assert g.hold(1, oldest=1.0, now=1.0005, newest=1.0, idle=True) == pytest.approx(0.0015)
+    assert g.hold(1, oldest=1.0, now=1.0005, newest=1.0) == 0.0  # busy: joins the next step
+    assert g.hold(3, oldest=1.0, now=1.0015, newest=1.001, idle=True) == pytest.approx(0.0015)
+    assert g.hold(3, oldest=1.0, now=1.0031, newest=1.001, idle=True) == 0.0  # quiet: admitted
+    assert g.hold(40, oldest=1.0, now=1.0495, newest=1.049, idle=True) == pytest.approx(0.0005)  # the window
+    assert Gather(0.0, 0.002).hold(1, oldest=1.0, now=1.0, newest=1.0, idle=True) == pytest.approx(0.002)
+    assert Gather(0.05, 0.0).hold(1, oldest=1.0, now=1.0, newest=1.0, idle=True) == 0.0
+
+
+def test_gather_ms_and_burst_ms_are_checked():
+    """The options are bounded: a negative or huge window is refused by name."""
+    assert (EngineOptions().gather_ms, EngineOptions().burst_ms) == (50, 2)
     for bad in (-1, 100_000):
         with pytest.raises(ValueError, match="gather_ms"):
             EngineOptions(gather_ms=bad).validate()
+        with pytest.raises(ValueError, match="burst_ms"):
+            EngineOptions(burst_ms=bad).validate()

@@ -464,20 +464,18 @@ def longest_pass_over(rec: Events, rid: int) -> int:
     return longest
 
 
-def test_the_budget_left_on_auto_schedules_off_cuda_and_chunks_on_the_grid_on_it(tiny_model):
-    """prefill_budget_ms left on auto: the scheduler runs on the CPU (and Metal), with the default budget;
-    MLX's CUDA backend keeps mlx-lm's prefill unless a budget is given, and then keeps its chunks on
-    the grid, where each new shape costs an attention graph (measured there: the docs)."""
+def test_the_budget_left_on_auto_schedules_and_chunks_on_the_grid_on_cuda(tiny_model):
+    """prefill_budget_ms left on auto: the scheduler runs with the default budget on every backend, its
+    chunks on the grid on MLX's CUDA backend, where each new shape costs an attention graph (measured
+    there: the docs); 0 keeps mlx-lm's prefill."""
     from mlxrt.ipc.protocol import DEFAULT_PREFILL_BUDGET_MS
     from mlxrt.worker.limits import on_cuda
 
     assert EngineOptions().prefill_budget_ms is None
     e = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
-    assert e.scheduled is (not on_cuda())
-    if e.scheduled:
-        assert e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS
-    given = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=200))
-    assert given.scheduled and given.sizer.grid is on_cuda()
+    assert e.scheduled and e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS and e.sizer.grid is on_cuda()
+    off = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=0))
+    assert not off.scheduled and off.sizer.budget_ms == 0
 
 
 def test_a_burst_of_short_prompts_is_prefilled_in_batched_calls(slowed, alone):

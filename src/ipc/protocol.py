@@ -21,6 +21,7 @@ import msgspec
 #: 12: EngineOptions.prompt_cache_warm_bytes, DiskCacheReport.warmed (disk entries read back while idle);
 #: GroupRank.wake.
 #: 11: DiskCacheReport.evicted_writes and lost (prefixes written, or not, as they left memory).
+#: 13: EngineOptions.burst_ms;
 #: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
 #: EngineReport.prefill_calls and prefill_batched.
 #: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;
@@ -30,7 +31,7 @@ import msgspec
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -280,6 +281,12 @@ DEFAULT_PROMPT_CACHE_DISK_BYTES = 16 << 30
 #: (docs/benchmarks/gpu-h200-families.md#reading-it-2): the window covers that with room.
 DEFAULT_GATHER_MS = 50
 MAX_GATHER_MS = 1000
+#: A burst of requests reaches an idle worker over a few ms (its clients' threads, the HTTP server's
+#: parsing): admitted as they come, the first is prefilled alone and the rest in uneven batches, whose
+#: new shapes MLX's CUDA backend builds graphs for (docs/benchmarks/gpu-h200-s11.md). A lone
+#: request pays this once.
+DEFAULT_BURST_MS = 2
+MAX_BURST_MS = 100
 #: mlx_lm.server's defaults for the same options.
 DEFAULT_NUM_DRAFT_TOKENS = 3
 DEFAULT_KV_GROUP_SIZE = 64
@@ -354,16 +361,19 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: After several replies end on one step, how long (ms) the worker holds new requests back to
     #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
     gather_ms: int = DEFAULT_GATHER_MS
+    #: On an idle worker, how long (ms) no new request must have come before those queued are admitted,
+    #: so that a burst is prefilled together (at most `gather_ms`, or this, from the first); 0: at once.
+    burst_ms: int = DEFAULT_BURST_MS
     #: The prefix cache's disk tier (docs/engine.md, durable prefixes): its directory (None: no disk
     #: tier) and byte budget, shared by every worker of the model and the next process.
     prompt_cache_dir: str | None = None
     prompt_cache_disk_bytes: int = DEFAULT_PROMPT_CACHE_DISK_BYTES
     #: Prefill time between two decode steps, ms: a long prompt is prefilled in chunks sized to it
     #: on this machine (docs/engine.md, the prefill scheduler); 0: mlx-lm's own prefill, as before.
-    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`, but 0 on MLX's CUDA backend, where each new chunk shape
-    #: costs an attention graph's build: there a budget keeps chunks on a grid (`prefill.ChunkSizer`),
-    #: which fixed a long prompt among streams, but agents' turns measured faster with 0 (that run
-    #: prefilled each prompt one to a call; docs/benchmarks/gpu-h200-scheduler-s9.md).
+    #: None (auto): `DEFAULT_PREFILL_BUDGET_MS`. On MLX's CUDA backend, where each new chunk shape costs
+    #: an attention graph's build, chunks keep to a grid (`prefill.ChunkSizer`); sized with the build's
+    #: cost, agents' turns measured as fast as with 0 on an H200, and a long prompt among streams no
+    #: longer stops them (docs/benchmarks/gpu-h200-s11.md).
     prefill_budget_ms: int | None = None
     #: Bytes of the disk tier's most recently used entries a started worker reads back into its memory
     #: tier while idle (docs/engine.md, durable prefixes); None (auto): half the memory tier's cap;
@@ -388,6 +398,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(0 <= self.gather_ms <= MAX_GATHER_MS, "gather_ms", f"must be in [0, {MAX_GATHER_MS}]",
                self.gather_ms)
+        _check(0 <= self.burst_ms <= MAX_BURST_MS, "burst_ms", f"must be in [0, {MAX_BURST_MS}]",
+               self.burst_ms)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
                f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
         _check(self.draft_policy in DRAFT_POLICIES, "draft_policy", f"must be one of {DRAFT_POLICIES}",

@@ -145,6 +145,8 @@ def engine_from_env() -> EngineOptions:
     MLXRT_PROMPT_CACHE_BYTES (0 turns prefix reuse off), MLXRT_SINGLE_STREAM (0: a lone request
     goes through the batch too), MLXRT_EMBED_BATCH_TOKENS (an embedding model's padded tokens per pass),
     MLXRT_GATHER_MS (how long new requests are held back after a wave of replies, 0: not at all),
+    MLXRT_BURST_MS (on an idle worker, how long no new request must have come before a burst is
+    admitted, 0: at once),
     MLXRT_PROMPT_CACHE_DIR and MLXRT_PROMPT_CACHE_DISK_BYTES (the prefix cache's disk tier; unset: none),
     MLXRT_PREFILL_BUDGET_MS (prefill time between two decode steps, 0: mlx-lm's own prefill).
     """
@@ -157,6 +159,7 @@ def engine_from_env() -> EngineOptions:
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
         embed_batch_tokens=_env_int("MLXRT_EMBED_BATCH_TOKENS", b.embed_batch_tokens),
         gather_ms=_env_int("MLXRT_GATHER_MS", b.gather_ms),
+        burst_ms=_env_int("MLXRT_BURST_MS", b.burst_ms),
         prompt_cache_dir=os.environ.get("MLXRT_PROMPT_CACHE_DIR") or None,
         prompt_cache_disk_bytes=_env_int("MLXRT_PROMPT_CACHE_DISK_BYTES", b.prompt_cache_disk_bytes),
         prefill_budget_ms=_env_opt_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),

@@ -236,8 +236,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.prefill_calls = 0
         self.prefill_batched = 0
         budget = o.prefill_budget_ms
-        if budget is None:  # auto: see EngineOptions.prefill_budget_ms for CUDA's measured cost
-            budget = 0 if on_cuda() else DEFAULT_PREFILL_BUDGET_MS
+        if budget is None:  # auto: see EngineOptions.prefill_budget_ms
+            budget = DEFAULT_PREFILL_BUDGET_MS
         self.scheduled = budget > 0 and group is None
         self.sizer = ChunkSizer(budget if self.scheduled else 0, self.prefill.solo, grid=on_cuda())
         self.load_s = time.perf_counter() - t0

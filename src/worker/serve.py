@@ -178,10 +178,16 @@ class Gather:
     (docs/benchmarks/gpu-h200-families.md#reading-it-2). In-process, where the next requests are
     submitted between two steps, this does not arise. A lone reply ending opens no hold: a single
     client's next request is admitted at once.
+
+    On an idle worker, requests are also held until none has come for `quiet_s` (at most the window,
+    or `quiet_s`, from the first): a burst's requests reach the worker over a few ms, and admitted as
+    they come the first is prefilled alone and the others in uneven batches behind it. A lone request
+    waits `quiet_s` once.
     """
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, quiet_s: float = 0.0) -> None:
         self.window_s = window_s
+        self.quiet_s = quiet_s
         self._expect = 0  # follow-ups awaited
         self._until = 0.0  # perf_counter time the hold ends at the latest
 
@@ -194,14 +200,18 @@ class Gather:
         else:
             self._expect, self._until = replies, now + self.window_s
 
-    def hold(self, waiting: int, oldest: float, now: float) -> float:
+    def hold(self, waiting: int, oldest: float, now: float, *, newest: float | None = None,
+             idle: bool = False) -> float:
         """Seconds to keep `waiting` new requests back (0: admit them now), the oldest of them queued at
-        `oldest`; the hold ends for good once as many as ended have come or the window has passed, and
-        no request is held longer than the window."""
+        `oldest`, the newest at `newest`; the hold ends for good once as many as ended have come or the
+        window has passed, and no request is held longer than the window. `idle`: the worker runs
+        nothing, and a burst's hold applies."""
         until = min(self._until, oldest + self.window_s)
         if self._expect and waiting < self._expect and now < until:
             return until - now
         self._expect = 0
+        if idle and newest is not None and self.quiet_s > 0:
+            return max(0.0, min(newest + self.quiet_s, oldest + max(self.window_s, self.quiet_s)) - now)
         return 0.0
 
 
@@ -224,7 +234,7 @@ class Server:
         self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
-        self._gather = Gather(engine.options.gather_ms / 1000)
+        self._gather = Gather(engine.options.gather_ms / 1000, engine.options.burst_ms / 1000)
         self._ended = 0  # replies that ended on the current step (not cancelled ones)
 
     # -- reader thread --
@@ -294,7 +304,8 @@ class Server:
         """How long the queued requests are still held back (under the lock); 0 when none are queued."""
         if not self._inbox:
             return 0.0
-        return self._gather.hold(len(self._inbox), self._inbox[0][1], now)
+        return self._gather.hold(len(self._inbox), self._inbox[0][1], now, newest=self._inbox[-1][1],
+                                 idle=not self._engine.busy)
 
     def _take(self, held: float) -> tuple[bool, deque, list[int], bool, list[Generate | Embed]]:
         """What the MLX thread acts on now (under the lock): whether to stop, the requests to admit (none
