@@ -45,7 +45,7 @@ def gen(i: int, prompt: str = "the river runs past the mill and") -> Generate:
 class Served:
     """A Server on its own thread; the frames it sends, and the step each request was submitted at."""
 
-    def __init__(self, model: str, gather_ms: int, leader: bool, burst_ms: int = 0) -> None:
+    def __init__(self, model: str, gather_ms: int, leader: bool, burst_ms: int | None = 0) -> None:
         self.engine = engine = Engine(model, options=EngineOptions(gather_ms=gather_ms, burst_ms=burst_ms))
         self.steps = 0
         self.submitted: dict[int, int] = {}
@@ -113,7 +113,7 @@ def group_of_one() -> RankGroup:
 def served(request, tiny_model):
     made: list[Served] = []
 
-    def make(gather_ms: int, burst_ms: int = 0) -> Served:
+    def make(gather_ms: int, burst_ms: int | None = 0) -> Served:
         made.append(Served(tiny_model, gather_ms, leader=request.param != "worker", burst_ms=burst_ms))
         return made[-1]
 
@@ -244,9 +244,22 @@ def test_a_burst_is_held_until_quiet_on_an_idle_worker_only():
     assert Gather(0.05, 0.0).hold(1, oldest=1.0, now=1.0, newest=1.0, idle=True) == 0.0
 
 
+def test_the_burst_hold_on_auto_is_cudas_only(served, monkeypatch):
+    """burst_ms left on auto holds a burst for DEFAULT_BURST_MS on MLX's CUDA backend and not at all
+    elsewhere (on the CPU a held 32-stream burst measured slower); the environment sets it."""
+    from mlxrt.ipc.protocol import DEFAULT_BURST_MS
+    from mlxrt.orchestrator.config import engine_from_env
+    from mlxrt.worker.limits import on_cuda
+
+    s = served(LONG_MS, None)
+    assert s.server._gather.quiet_s == (DEFAULT_BURST_MS / 1000 if on_cuda() else 0.0)
+    monkeypatch.setenv("MLXRT_BURST_MS", "7")
+    assert engine_from_env().burst_ms == 7
+
+
 def test_gather_ms_and_burst_ms_are_checked():
     """The options are bounded: a negative or huge window is refused by name."""
-    assert (EngineOptions().gather_ms, EngineOptions().burst_ms) == (50, 2)
+    assert (EngineOptions().gather_ms, EngineOptions().burst_ms) == (50, None)
     for bad in (-1, 100_000):
         with pytest.raises(ValueError, match="gather_ms"):
             EngineOptions(gather_ms=bad).validate()

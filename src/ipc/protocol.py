@@ -284,7 +284,8 @@ MAX_GATHER_MS = 1000
 #: A burst of requests reaches an idle worker over a few ms (its clients' threads, the HTTP server's
 #: parsing): admitted as they come, the first is prefilled alone and the rest in uneven batches, whose
 #: new shapes MLX's CUDA backend builds graphs for (docs/benchmarks/gpu-h200-s11.md). A lone
-#: request pays this once.
+#: request pays this once. The auto value on CUDA; elsewhere auto is 0 (no graphs to build; on 2 CPU
+#: cores a 32-stream burst measured slower held).
 DEFAULT_BURST_MS = 2
 MAX_BURST_MS = 100
 #: mlx_lm.server's defaults for the same options.
@@ -362,8 +363,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
     gather_ms: int = DEFAULT_GATHER_MS
     #: On an idle worker, how long (ms) no new request must have come before those queued are admitted,
-    #: so that a burst is prefilled together (at most `gather_ms`, or this, from the first); 0: at once.
-    burst_ms: int = DEFAULT_BURST_MS
+    #: so that a burst is prefilled together (at most `gather_ms`, or this, from the first); 0: at once;
+    #: None (auto): `DEFAULT_BURST_MS` on MLX's CUDA backend, else 0.
+    burst_ms: int | None = None
     #: The prefix cache's disk tier (docs/engine.md, durable prefixes): its directory (None: no disk
     #: tier) and byte budget, shared by every worker of the model and the next process.
     prompt_cache_dir: str | None = None
@@ -398,8 +400,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         _check(self.embed_batch_tokens >= 16, "embed_batch_tokens", "must be >= 16", self.embed_batch_tokens)
         _check(0 <= self.gather_ms <= MAX_GATHER_MS, "gather_ms", f"must be in [0, {MAX_GATHER_MS}]",
                self.gather_ms)
-        _check(0 <= self.burst_ms <= MAX_BURST_MS, "burst_ms", f"must be in [0, {MAX_BURST_MS}]",
-               self.burst_ms)
+        _check(self.burst_ms is None or 0 <= self.burst_ms <= MAX_BURST_MS, "burst_ms",
+               f"must be in [0, {MAX_BURST_MS}]", self.burst_ms)
         _check(1 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS, "num_draft_tokens",
                f"must be in [1, {MAX_NUM_DRAFT_TOKENS}]", self.num_draft_tokens)
         _check(self.draft_policy in DRAFT_POLICIES, "draft_policy", f"must be one of {DRAFT_POLICIES}",

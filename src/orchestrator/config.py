@@ -159,7 +159,7 @@ def engine_from_env() -> EngineOptions:
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),
         embed_batch_tokens=_env_int("MLXRT_EMBED_BATCH_TOKENS", b.embed_batch_tokens),
         gather_ms=_env_int("MLXRT_GATHER_MS", b.gather_ms),
-        burst_ms=_env_int("MLXRT_BURST_MS", b.burst_ms),
+        burst_ms=_env_opt_int("MLXRT_BURST_MS", b.burst_ms),
         prompt_cache_dir=os.environ.get("MLXRT_PROMPT_CACHE_DIR") or None,
         prompt_cache_disk_bytes=_env_int("MLXRT_PROMPT_CACHE_DISK_BYTES", b.prompt_cache_disk_bytes),
         prefill_budget_ms=_env_opt_int("MLXRT_PREFILL_BUDGET_MS", b.prefill_budget_ms),

@@ -19,6 +19,7 @@ import msgspec
 
 from ..ipc.channel import ChannelClosed, Sender
 from ..ipc.protocol import (
+    DEFAULT_BURST_MS,
     Cancel,
     ClearCache,
     DetailedTokens,
@@ -36,6 +37,7 @@ from ..ipc.protocol import (
     Tokens,
     worker_codec,
 )
+from .limits import on_cuda
 from .prompt import PromptTooLongError
 
 
@@ -234,7 +236,10 @@ class Server:
         self._cancels: list[int] = []
         self._stopping = False
         self._clear_cache = False
-        self._gather = Gather(engine.options.gather_ms / 1000, engine.options.burst_ms / 1000)
+        burst_ms = engine.options.burst_ms
+        if burst_ms is None:  # auto: held where a burst's uneven batches cost graph builds
+            burst_ms = DEFAULT_BURST_MS if on_cuda() else 0
+        self._gather = Gather(engine.options.gather_ms / 1000, burst_ms / 1000)
         self._ended = 0  # replies that ended on the current step (not cancelled ones)
 
     # -- reader thread --
