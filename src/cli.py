@@ -196,8 +196,8 @@ ENGINE_FLAGS = {
     "gather_ms": "after several replies end together, ms to hold new requests back so that their "
                  "prefills go together (0: admit at once; mlxrt's own)",
     "burst_ms": "on an idle worker, ms with no new request before those queued are admitted, so that a "
-                "burst's prefills go together (at most gather_ms from the first; 0: admit at once; auto: 2 "
-                "on CUDA, else 0; mlxrt's own)",
+                "burst's prefills go together (at most the larger of it and gather_ms from the first; 0: "
+                "admit at once; auto: 2 on CUDA, else 0; mlxrt's own)",
     "prompt_cache_disk_bytes": "byte budget of the prefix cache's disk tier under --prompt-cache-dir "
                                "(0: no disk tier; mlxrt's own)",
     "prompt_cache_warm_bytes": "bytes of the disk tier's newest entries a started worker reads back into "

@@ -152,8 +152,8 @@ def test_a_lone_reply_holds_nothing_back(served):
     holds: list[float] = []
     held = s.server._held
 
-    def spied_held(now: float) -> float:  # what the serve loop decides while request 2 is queued
-        holds.append(held(now))
+    def spied_held(now: float, **kw) -> float:  # what the serve loop decides while request 2 is queued
+        holds.append(held(now, **kw))
         return holds[-1]
 
     s.server._held = spied_held
@@ -163,9 +163,11 @@ def test_a_lone_reply_holds_nothing_back(served):
 
 
 def test_a_burst_on_an_idle_worker_is_admitted_together(served):
-    """Requests 20 ms apart reaching an idle worker go in one step while each comes within burst_ms of
+    """Requests 5 ms apart reaching an idle worker go in one step while each comes within burst_ms of
     the last; with burst_ms 0 (and 200 ms apart) the first goes alone. Each ends as it should."""
-    for burst_ms, gap_s, together in ((100, 0.02, True), (0, 0.2, False)):
+    from mlxrt.ipc.protocol import MAX_BURST_MS
+
+    for burst_ms, gap_s, together in ((MAX_BURST_MS, 0.005, True), (0, 0.2, False)):
         s = served(LONG_MS, burst_ms)
         for i in (1, 2, 3):
             s.send(gen(i))

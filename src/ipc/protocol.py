@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 13: EngineOptions.burst_ms.
 #: 12: EngineOptions.prompt_cache_warm_bytes, DiskCacheReport.warmed (disk entries read back while idle);
 #: GroupRank.wake.
 #: 11: DiskCacheReport.evicted_writes and lost (prefixes written, or not, as they left memory).
-#: 13: EngineOptions.burst_ms;
 #: 10: EngineOptions.decode_concurrency may be None (auto), Ready.decode_concurrency,
 #: EngineReport.prefill_calls and prefill_batched.
 #: 9: ChatMessage.images (a message's images, encoded bytes), Capabilities.vision;

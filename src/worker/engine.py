@@ -32,7 +32,8 @@ Prefill (`prefill.py`): an admitted prompt is prefilled outside the batch on a
 cache of its own, in chunks sized to `prefill_budget_ms` on this machine,
 shortest remaining prompt first, and joins the batch at its last token; each
 `step()` runs about the budget of chunks, then one decode step for every
-running sequence.
+running sequence (and a second where a prompt joined the batch in the first:
+its first token then comes in the step that ends its prefill).
 
 Prefix reuse: a finished sequence's cache is kept in `PrefixCache` under its
 tokens. Where every layer's cache can be trimmed (`KVCache`), a later prompt
@@ -323,7 +324,8 @@ class Engine(PromptBuilder, PrefillScheduler):
     def step(self) -> None:
         """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,
         else the prefill budget's chunks (`prefill.py`) and a batch step (one token for every
-        decoding sequence)."""
+        decoding sequence), and a second batch step on the scheduler's path where a prompt ended in
+        the first."""
         if self._solo is not None and self._waiting:
             self._hand_over()
         self._admit()

@@ -334,12 +334,12 @@ class LeaderServer(Server):
         last_work = False  # that step had work: apply it at once, without waiting for more
         while True:
             with self._cond:
-                held = self._held(time.perf_counter())
+                held = self._held(time.perf_counter(), busy=last_work)
                 if not ((self._inbox and not held) or self._cancels or self._stopping or self._clear_cache
                         or engine.busy or last_work):
                     # Then an empty step, so the others know rank 0 lives; a hold ends by its deadline.
                     self._cond.wait(min(held, heartbeat) if held else heartbeat)
-                    held = self._held(time.perf_counter())
+                    held = self._held(time.perf_counter(), busy=last_work)
                 stopping, inbox, cancels, clear, dropped = self._take(held)
             for req in dropped:  # cancelled while held back: it never reached any rank's engine
                 self.done(req.id, Stats(finish_reason="cancelled"), "")

@@ -9,8 +9,8 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
 - **A time budget per step, not a token count.** Between two decode steps the prefill runs for
   about `prefill_budget_ms`; `ChunkSizer` measures the tokens per millisecond of the last chunks on
   this machine and sizes the next chunk to the budget left, in multiples of `CHUNK_MULTIPLE`, within
-  [`MIN_CHUNK_TOKENS`, `prefill_step_size`]. Every running sequence decodes one token between two
-  steps' prefills.
+  [`MIN_CHUNK_TOKENS`, `prefill_step_size`]. Every running sequence decodes a token between two
+  steps' prefills (two where a prompt joined the batch: its first token comes in that step).
 - **Shortest remaining prefill first** (`pick`): a short prompt is prefilled ahead of the remaining
   chunks of a long one; a prompt passed over `MAX_SKIPS` chunks in a row goes next, so neither a
   flood of short prompts starves a long one nor a stream of long ones a short one, and long prompts
@@ -378,8 +378,7 @@ class PrefillScheduler:
         """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
         chooses, each sized by the measured rate, short prompts that fit the chunk together in one
         call (`batch_rows`); a prompt left with its last token joins the batch."""
-        for p in [p for p in self._prefills if p.ready]:
-            self._join(p)
+        self._join_ready()
         spent = 0.0
         while self._prefills and spent * 1e3 < self.sizer.budget_ms:
             first = pick(self._prefills)
@@ -412,14 +411,22 @@ class PrefillScheduler:
             self.prefill_batched += len(rows) if len(rows) > 1 else 0
             passed_over(self._prefills, rows, seconds)
             spent += seconds
-            leaders = len(self._leaders)
+            leaders, waiting = len(self._leaders), len(self._waiting)
             for p in rows:
                 if ended and p.segments:
                     self._boundary(p)
                 if p.ready:
                     self._join(p)
-            if len(self._leaders) < leaders and self._waiting:
-                self._admit()  # a system prompt's checkpoint is in: its followers start, in this budget
+            if self._waiting and (len(self._leaders) < leaders or len(self._waiting) > waiting):
+                # A system prompt's checkpoint is in, or a prompt's end released its other choices:
+                # they start in this budget; one whose prompt is down to its last token joins now.
+                self._admit()
+                self._join_ready()
+
+    def _join_ready(self) -> None:
+        """Every prompt left with only its last token joins the batch (`pick` must never see one)."""
+        for p in [p for p in self._prefills if p.ready]:
+            self._join(p)
 
     def _boundary(self, p: Prefill) -> None:
         """`p`'s prefill reached a segment's end: keep its checkpoint, release its forks, as the batch's

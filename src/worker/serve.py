@@ -181,10 +181,10 @@ class Gather:
     submitted between two steps, this does not arise. A lone reply ending opens no hold: a single
     client's next request is admitted at once.
 
-    On an idle worker, requests are also held until none has come for `quiet_s` (at most the window,
-    or `quiet_s`, from the first): a burst's requests reach the worker over a few ms, and admitted as
-    they come the first is prefilled alone and the others in uneven batches behind it. A lone request
-    waits `quiet_s` once.
+    On an idle worker, requests are also held until none has come for `quiet_s` (at most the larger
+    of the window and `quiet_s` from the first): a burst's requests reach the worker over a few ms,
+    and admitted as they come the first is prefilled alone and the others in uneven batches behind
+    it. A lone request waits `quiet_s` once.
     """
 
     def __init__(self, window_s: float, quiet_s: float = 0.0) -> None:
@@ -207,7 +207,8 @@ class Gather:
         """Seconds to keep `waiting` new requests back (0: admit them now), the oldest of them queued at
         `oldest`, the newest at `newest`; the hold ends for good once as many as ended have come or the
         window has passed, and no request is held longer than the window. `idle`: the worker runs
-        nothing, and a burst's hold applies."""
+        nothing, and a burst's hold applies: until `quiet_s` after the newest, at most the larger of
+        the window and `quiet_s` after the oldest."""
         until = min(self._until, oldest + self.window_s)
         if self._expect and waiting < self._expect and now < until:
             return until - now
@@ -305,12 +306,13 @@ class Server:
         without a disk tier (vision, embeddings) never are."""
         return getattr(self._engine, "warming", False)
 
-    def _held(self, now: float) -> float:
-        """How long the queued requests are still held back (under the lock); 0 when none are queued."""
+    def _held(self, now: float, *, busy: bool = False) -> float:
+        """How long the queued requests are still held back (under the lock); 0 when none are queued.
+        `busy`: work taken but not yet in the engine (a group's rank 0) counts as running."""
         if not self._inbox:
             return 0.0
         return self._gather.hold(len(self._inbox), self._inbox[0][1], now, newest=self._inbox[-1][1],
-                                 idle=not self._engine.busy)
+                                 idle=not (busy or self._engine.busy))
 
     def _take(self, held: float) -> tuple[bool, deque, list[int], bool, list[Generate | Embed]]:
         """What the MLX thread acts on now (under the lock): whether to stop, the requests to admit (none
