@@ -363,7 +363,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: prefill the follow-ups together (docs/engine.md, gathering follow-ups); 0: admit at once.
     gather_ms: int = DEFAULT_GATHER_MS
     #: On an idle worker, how long (ms) no new request must have come before those queued are admitted,
-    #: so that a burst is prefilled together (at most `gather_ms`, or this, from the first); 0: at once;
+    #: so that a burst is prefilled together (at most the larger of `gather_ms` and this from the first);
+    #: 0: at once;
     #: None (auto): `DEFAULT_BURST_MS` on MLX's CUDA backend, else 0.
     burst_ms: int | None = None
     #: The prefix cache's disk tier (docs/engine.md, durable prefixes): its directory (None: no disk
