@@ -585,28 +585,20 @@ def test_choices_admitted_mid_step_beside_a_system_prompt_are_never_prefilled_pa
     """A chat's system prompt landing in a step admits what waited behind it in that step, an n = 2
     request's second choice among them (its prompt down to its last token): it joins the batch, is not
     prefilled a token too far, and every choice's reply is the one alone."""
-    from support import chat
+    from support import chat, run_batch
     from support import gen as request
 
     class ByChoice(Events):
         def token(self, req_id: int, token: int, *args, index: int = 0, **kw) -> None:
             self.ids.setdefault((req_id, index), []).append(token)
 
-    def replies(engine: Engine, reqs: list[Generate]) -> ByChoice:
-        rec = ByChoice()
-        for r in reqs:
-            engine.submit(r, rec)
-        while engine.busy:
-            engine.step()
-        return rec
-
     opts = EngineOptions(prefill_budget_ms=10_000, prefill_step_size=512)
     engine, ref = Engine(tiny_model, options=opts), Engine(tiny_model, options=opts)
-    replies(engine, [request(1, "the rate is timed on these"), request(2, "and on this one")])
+    run_batch(engine, [request(1, "the rate is timed on these"), request(2, "and on this one")])
     reqs = [request(10, "a short prompt with choices", n=2, max_tokens=6),
             request(11, messages=chat("Ship 1: what did you see?",
                                       system="You keep a lighthouse and log ships. " * 3), max_tokens=6)]
-    rec = replies(engine, reqs)
+    rec = run_batch(engine, reqs, ByChoice())
     assert not rec.errors
-    want = {k: v for r in reqs for k, v in replies(ref, [r]).ids.items()}
+    want = {k: v for r in reqs for k, v in run_batch(ref, [r], ByChoice()).ids.items()}
     assert set(want) == {(10, 0), (10, 1), (11, 0)} and rec.ids == want

@@ -415,13 +415,11 @@ class PrefillScheduler:
             for p in rows:
                 if ended and p.segments:
                     self._boundary(p)
-                if p.ready:
-                    self._join(p)
             if self._waiting and (len(self._leaders) < leaders or len(self._waiting) > waiting):
                 # A system prompt's checkpoint is in, or a prompt's end released its other choices:
-                # they start in this budget; one whose prompt is down to its last token joins now.
+                # they start in this budget.
                 self._admit()
-                self._join_ready()
+            self._join_ready()  # the rows, and any admitted, down to their last token
 
     def _join_ready(self) -> None:
         """Every prompt left with only its last token joins the batch (`pick` must never see one)."""
