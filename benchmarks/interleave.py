@@ -5,10 +5,10 @@ stream A decodes `--a-tokens` tokens; `--b-after-s` after A a long prompt B arri
 tokens, 8 to generate); `--c-after-s` after B a short request C (`--c-tokens` tokens, 8 to generate).
 Every prompt is distinct (its own corpus paragraph), so no prefix is reused. Per target, round by
 round (targets interleaved within a round): A's longest gap between two tokens, C's and B's TTFT in
-the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler; on CUDA, whose default
-is budget 0, the scheduler with the default budget, its chunks on the grid of `prefill.ChunkSizer` and
-off it), the same engine with ``prefill_budget_ms=0`` (mlx-lm's prefill), mlx-lm's `BatchGenerator`,
-``mlxrt serve`` and ``mlx_lm.server`` (``--no-http`` leaves the last two out). Greedy, EOS off.
+the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler at its default budget; on
+CUDA its chunks on the grid of `prefill.ChunkSizer`), the same engine with ``prefill_budget_ms=0``
+(mlx-lm's prefill), mlx-lm's `BatchGenerator`, ``mlxrt serve`` and ``mlx_lm.server`` (``--no-http``
+leaves the last two out). Greedy, EOS off.
 ``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
 
 Writes the whole document to ``--out`` and ends with the table, that path and a one-line summary.
@@ -182,15 +182,8 @@ class HttpTarget:
 
 
 def make_targets(model: str, model_path: str, http: bool) -> list[Any]:
-    from mlxrt.ipc.protocol import DEFAULT_PREFILL_BUDGET_MS
-    from mlxrt.worker.limits import on_cuda
-
-    targets: list[Any] = [EngineTarget("mlxrt engine", model, None)]
-    if on_cuda():  # auto is budget 0 there: the default budget, its chunks on the grid and off it
-        targets = [EngineTarget("mlxrt engine, budget 200", model, DEFAULT_PREFILL_BUDGET_MS),
-                   EngineTarget("mlxrt engine, budget 200 off the grid", model, DEFAULT_PREFILL_BUDGET_MS,
-                                grid=False)]
-    targets += [EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
+    targets: list[Any] = [EngineTarget("mlxrt engine", model, None),  # auto: the scheduler, on every backend
+                          EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
     if http:
         from .http_scenario import HttpStream, MlxLmServer
 

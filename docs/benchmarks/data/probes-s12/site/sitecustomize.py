@@ -1,0 +1,120 @@
+# A throwaway probe of session 12 (not part of the harness): where a worker's time goes, step by step.
+# Put this folder first on PYTHONPATH and set MLXRT_PROBE_TRACE=DIR: every process that imports mlxrt's
+# worker (a worker under the harness, or an in-process engine) appends one JSON line per event to
+# DIR/trace-PID.jsonl: a request's arrival on the reader thread, its admission, each step and the calls
+# inside it, and each request's first token. `show.py DIR` prints them burst by burst.
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+
+DIR = os.environ.get("MLXRT_PROBE_TRACE")
+_out = None
+_lock = threading.Lock()
+
+
+def emit(kind, t0, seconds=0.0, **what):
+    global _out
+    with _lock:
+        if _out is None:
+            os.makedirs(DIR, exist_ok=True)
+            _out = open(os.path.join(DIR, f"trace-{os.getpid()}.jsonl"), "a", buffering=1)
+        _out.write(json.dumps({"e": kind, "t": t0, "d": seconds, **what}) + "\n")
+
+
+def timed(kind, fn, what=None):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            emit(kind, t0, time.perf_counter() - t0, **(what(*a, **k) if what else {}))
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def patch_engine(mod):
+    E = mod.Engine
+
+    def step_what(self):
+        return {"waiting": len(self._waiting), "prefills": len(self._prefills), "running": len(self._running),
+                "solo": self._solo is not None}
+    E.step = timed("STEP", E.step, step_what)
+    for name in ("_admit", "_prefill_step", "_solo_step", "_hand_over", "_deliver", "_batch_step"):
+        setattr(E, name, timed(name, getattr(E, name)))
+    submit = E.submit
+
+    def submit_w(self, req, *a, **k):
+        emit("submit", time.perf_counter(), id=getattr(req, "id", None))
+        return submit(self, req, *a, **k)
+    E.submit = submit_w
+
+
+def patch_prefill(mod):
+    mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
+        "rows": len(rows), "width": max(len(p.segments[0]) if p.segments else 0 for p in rows),
+        "cached": max(len(p.tokens) for p in rows)})
+    mod.run_chunk = timed("chunk", mod.run_chunk, lambda m, p, size, s: {"size": size, "after": len(p.tokens)})
+
+
+def patch_serve(mod):
+    S = mod.Server
+    on_message = S.on_message
+
+    def on_message_w(self, msg):
+        if type(msg).__name__ == "Generate":
+            emit("arrive", time.perf_counter(), id=msg.id)
+        return on_message(self, msg)
+    S.on_message = on_message_w
+    first: set = set()
+    token = S.token
+
+    def token_w(self, req_id, *a, **k):
+        if req_id not in first:
+            first.add(req_id)
+            emit("first", time.perf_counter(), id=req_id)
+        return token(self, req_id, *a, **k)
+    S.token = token_w
+
+
+def patch_generate(mod):
+    B = mod.BatchGenerator
+    B.next = timed("batch.next", B.next, lambda self: {
+        "decoding": len(self._generation_batch), "prompts": len(self._unprocessed_sequences),
+        "prompt_batch": len(self._prompt_batch)})
+
+
+PATCHES = {"mlxrt.worker.engine": patch_engine, "mlxrt.worker.prefill": patch_prefill,
+           "mlxrt.worker.serve": patch_serve, "mlx_lm.generate": patch_generate}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                exec_module(module)
+                PATCHES[name](module)
+        spec.loader = _Loader()
+        return spec
+
+
+if DIR:
+    sys.meta_path.insert(0, _Finder())
