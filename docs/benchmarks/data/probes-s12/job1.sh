@@ -14,5 +14,5 @@ step bursts; PYTHONPATH=$SITE:$PYTHONPATH MLXRT_PROBE_TRACE=$L/trace timeout 150
 grep -v "^\[\|^20" $L/bursts.log | grep -E "^(mlx|native)" | cut -c1-150
 python3 docs/benchmarks/data/probes-s12/show.py $L/trace 16 > $L/trace-bursts.log 2>&1; grep "^==" $L/trace-bursts.log
 step inprocess; PROMPT=128 GEN=128 timeout 60 python3 docs/benchmarks/data/probes-s10/trace.py burst synthetic:qwen2.5-0.5b-4bit 16 0 auto 3 > $L/inprocess.log 2>&1; echo "rc $?"; grep "^round" $L/inprocess.log
-step mix; timeout 330 python3 -m benchmarks.interleave --model synthetic:llama3.1-8b-4bit --b-tokens 25000 --rounds 2 --out $L/interleave.json > $L/interleave.log 2>&1; echo "rc $?"; grep -E "^round|^\|" $L/interleave.log | cut -c1-220
+step mix; timeout 300 python3 -m benchmarks.interleave --model synthetic:llama3.1-8b-4bit --b-tokens 25000 --rounds 2 --out $L/interleave.json > $L/interleave.log 2>&1; echo "rc $?"; grep -E "^round|^\|" $L/interleave.log | cut -c1-220
 step done
