@@ -3,6 +3,10 @@
 # worker (a worker under the harness, or an in-process engine) appends one JSON line per event to
 # DIR/trace-PID.jsonl: a request's arrival on the reader thread, its admission, each step and the calls
 # inside it, and each request's first token. `show.py DIR` prints them burst by burst.
+# Variants for an A/B (each also applies to the harness's own process, native-batch included):
+#   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
+#   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
+#                      its last token in one call (prefill_batch_size = decode_concurrency), not 8.
 import importlib.abc
 import importlib.util
 import json
@@ -25,15 +29,43 @@ def emit(kind, t0, seconds=0.0, **what):
         _out.write(json.dumps({"e": kind, "t": t0, "d": seconds, **what}) + "\n")
 
 
-def timed(kind, fn, what=None):
+_evals = threading.local()
+
+
+def timed(kind, fn, what=None, evals=False):
+    """`fn` timed; `what` (called before `fn`) names what it did; `evals`: the time inside mx.eval too."""
     def wrapper(*a, **k):
+        named = what(*a, **k) if what else {}
         t0 = time.perf_counter()
+        if evals:
+            _evals.s = 0.0
         try:
             return fn(*a, **k)
         finally:
-            emit(kind, t0, time.perf_counter() - t0, **(what(*a, **k) if what else {}))
+            d = time.perf_counter() - t0
+            if evals:
+                named["eval_ms"] = round(_evals.s * 1e3, 2)
+                _evals.s = None
+            emit(kind, t0, d, **named)
     wrapper.__wrapped__ = fn
     return wrapper
+
+
+def patch_mx():
+    import mlx.core as mx
+    ev = mx.eval
+
+    def eval_w(*a, **k):
+        if getattr(_evals, "s", None) is None:
+            return ev(*a, **k)
+        t0 = time.perf_counter()
+        try:
+            return ev(*a, **k)
+        finally:
+            _evals.s += time.perf_counter() - t0
+    mx.eval = eval_w
+    if os.environ.get("PROBE_NO_CLEAR"):
+        mx.clear_cache = lambda: None
 
 
 def patch_engine(mod):
@@ -51,13 +83,30 @@ def patch_engine(mod):
         emit("submit", time.perf_counter(), id=getattr(req, "id", None))
         return submit(self, req, *a, **k)
     E.submit = submit_w
+    if os.environ.get("PROBE_JOIN_ALL"):
+        new_batch = E._new_batch
+
+        def new_batch_w(self):
+            batch = new_batch(self)
+            if getattr(self, "scheduled", False):
+                batch.prefill_batch_size = self.decode_concurrency
+            return batch
+        E._new_batch = new_batch_w
+        init = E.__init__
+
+        def init_w(self, *a, **k):
+            init(self, *a, **k)
+            if self.scheduled:
+                self._batch.prefill_batch_size = self.decode_concurrency
+        E.__init__ = init_w
 
 
 def patch_prefill(mod):
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
-        "rows": len(rows), "width": max(len(p.segments[0]) if p.segments else 0 for p in rows),
-        "cached": max(len(p.tokens) for p in rows)})
-    mod.run_chunk = timed("chunk", mod.run_chunk, lambda m, p, size, s: {"size": size, "after": len(p.tokens)})
+        "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
+        "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
+    mod.run_chunk = timed("chunk", mod.run_chunk, lambda m, p, size, s: {"size": size, "after": len(p.tokens)},
+                          evals=True)
 
 
 def patch_serve(mod):
@@ -84,7 +133,7 @@ def patch_generate(mod):
     B = mod.BatchGenerator
     B.next = timed("batch.next", B.next, lambda self: {
         "decoding": len(self._generation_batch), "prompts": len(self._unprocessed_sequences),
-        "prompt_batch": len(self._prompt_batch)})
+        "prompt_batch": len(self._prompt_batch)}, evals=True)
 
 
 PATCHES = {"mlxrt.worker.engine": patch_engine, "mlxrt.worker.prefill": patch_prefill,
@@ -118,3 +167,4 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if DIR:
     sys.meta_path.insert(0, _Finder())
+    patch_mx()
