@@ -6,7 +6,8 @@
 # Variants for an A/B (each also applies to the harness's own process, native-batch included):
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
-#                      its last token in one call (prefill_batch_size = decode_concurrency), not 8.
+#                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
+#   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N.
 import importlib.abc
 import importlib.util
 import json
@@ -136,7 +137,12 @@ def patch_generate(mod):
         "prompt_batch": len(self._prompt_batch)}, evals=True)
 
 
-PATCHES = {"mlxrt.worker.engine": patch_engine, "mlxrt.worker.prefill": patch_prefill,
+def patch_prefix_cache(mod):
+    if os.environ.get("PROBE_MIN_PREFIX"):
+        mod.MIN_PREFIX_TOKENS = int(os.environ["PROBE_MIN_PREFIX"])
+
+
+PATCHES = {"mlxrt.worker.prefix_cache": patch_prefix_cache, "mlxrt.worker.engine": patch_engine, "mlxrt.worker.prefill": patch_prefill,
            "mlxrt.worker.serve": patch_serve, "mlx_lm.generate": patch_generate}
 
 
