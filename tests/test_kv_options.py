@@ -118,7 +118,8 @@ def test_rotating_cache_keeps_memory_flat_past_its_size(tiny_model, solo):
         req = gen(n, "A long story about the sea and the mountains", max_tokens=n)
         ids, _ = run_alone(engine, req)
         assert len(ids) == n
-        assert engine.prefix_cache.fetch(engine.prompt_ids(req) + ids)[1] > 0
+        prompt = engine.prompt_ids(req)  # the reply's cache serves a next turn that extends it
+        assert engine.prefix_cache.fetch(prompt + ids + [0])[1] == len(prompt) + n
         return engine.prefix_cache.nbytes
 
     bounded = Engine(tiny_model, options=EngineOptions(max_kv_size=64))
