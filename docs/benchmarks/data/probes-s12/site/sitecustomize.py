@@ -7,7 +7,8 @@
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
 #                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
-#   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N.
+#   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N;
+#   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`).
 import importlib.abc
 import importlib.util
 import json
@@ -103,6 +104,8 @@ def patch_engine(mod):
 
 
 def patch_prefill(mod):
+    if os.environ.get("PROBE_NO_INTAKE"):
+        mod.PrefillScheduler._take_arrivals = lambda self: None
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
