@@ -267,20 +267,3 @@ def test_gather_ms_and_burst_ms_are_checked():
             EngineOptions(gather_ms=bad).validate()
         with pytest.raises(ValueError, match="burst_ms"):
             EngineOptions(burst_ms=bad).validate()
-
-
-def test_a_worker_hands_its_scheduler_arrivals_mid_step_and_a_group_does_not(served):
-    """A worker's prefill step takes the requests queued since it began (`Server._intake`); a group's rank 0
-    gives none, its ranks taking their requests at the same iteration through the lockstep."""
-    s = served(0)
-    if isinstance(s.server, LeaderServer):
-        assert s.engine.intake is None
-    else:
-        assert s.engine.intake == s.server._intake
-        with s.server._cond:  # queued while a step runs: the intake hands them over, then nothing
-            s.send(gen(1))
-            s.send(gen(2))
-            s.server._intake()
-            s.server._intake()
-        assert set(s.submitted) == {1, 2}
-        s.ended({1, 2}, 60)

@@ -225,39 +225,6 @@ def test_a_prompt_gets_its_first_token_in_the_step_that_ends_its_prefill(slowed,
     assert rec.ids == want
 
 
-def test_a_request_arriving_during_a_step_is_prefilled_in_that_step(slowed, alone):
-    """With budget left between two calls, a step takes what reached the worker meanwhile (`intake`, which
-    the worker's Server sets): C, handed over during B's step, is prefilled and gets its first token in
-    that step, ahead of the rest of B. With no intake, C waits for the next step. Tokens as alone."""
-    engine, rec = slowed
-    b, c = gen(2, LONG, max_tokens=4), gen(3, short_prompt(3), max_tokens=4)
-    want = {2: alone(b), 3: alone(c)}
-    handed: list[Generate] = [c]
-
-    def intake() -> None:  # C reaches the worker while B's first chunk runs
-        while handed:
-            engine.submit(handed.pop(), rec)
-
-    budget, engine.sizer.budget_ms = engine.sizer.budget_ms, 10_000.0  # every chunk of B fits one step
-    engine.solo_enabled = False  # a lone prompt's fast path runs a chunk a step and takes no intake
-    try:
-        engine.intake = intake
-        run(engine, rec, {0: [b]})
-        ev = rec.events
-        b_chunks = [i for i, e in enumerate(ev) if e == ("chunk", 2)]
-        assert b_chunks[0] < rec.first("chunk", 3) < b_chunks[-1]  # C's chunk went between B's
-        assert rec.first("token", 3) < rec.first("step", 0)  # and its first token came in that step
-        assert rec.ids == want
-        engine.intake = None
-        rec.events.clear()  # the slowed model notes its chunks in this very list
-        rec.ids.clear()
-        run(engine, rec, {0: [b], 1: [c]})  # the same arrival between two steps: C waits for step 1
-        assert rec.first("step", 0) < rec.first("chunk", 3)
-        assert rec.ids == want
-    finally:
-        engine.sizer.budget_ms, engine.intake, engine.solo_enabled = budget, None, True
-
-
 def test_a_stream_of_long_prompts_does_not_starve_a_short_one(slowed, alone):
     """Long prompts keep arriving; a short one arriving among them is prefilled at once, and long ones
     take turns: none is passed over more than MAX_SKIPS chunks in a row."""

@@ -318,7 +318,6 @@ class LeaderServer(Server):
     def __init__(self, engine, outbox, group: RankGroup) -> None:
         super().__init__(engine, outbox)
         self._group = group
-        engine.intake = None  # every rank takes its requests at the same iteration, through the lockstep
 
     def serve_forever(self) -> None:
         try:

@@ -35,7 +35,6 @@ import copy
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -317,10 +316,6 @@ class PrefillScheduler:
     _leaders: dict[tuple[int, ...], int]
     _prefills: list[Prefill]
     _admitted: int
-    #: Called between two calls of a prefill step, where budget is left: hands the engine (`submit`) the
-    #: requests that reached the worker since the step began (the worker's `Server` sets it), so a burst
-    #: spread over tens of ms (HTTP's parsing and templating) is admitted in one step, not two.
-    intake: Callable[[], None] | None = None
 
     if TYPE_CHECKING:
         def _failed(self, seq: Sequence, exc: BaseException) -> None: ...
@@ -382,8 +377,7 @@ class PrefillScheduler:
     def _prefill_step(self) -> None:
         """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
         chooses, each sized by the measured rate, short prompts that fit the chunk together in one
-        call (`batch_rows`); a prompt left with its last token joins the batch. Between two calls,
-        requests that arrived meanwhile are admitted (`intake`)."""
+        call (`batch_rows`); a prompt left with its last token joins the batch."""
         self._join_ready()
         spent = 0.0
         while self._prefills and spent * 1e3 < self.sizer.budget_ms:
@@ -426,16 +420,6 @@ class PrefillScheduler:
                 # they start in this budget.
                 self._admit()
             self._join_ready()  # the rows, and any admitted, down to their last token
-            if self.intake is not None and spent * 1e3 < self.sizer.budget_ms:
-                self._take_arrivals()
-
-    def _take_arrivals(self) -> None:
-        """Requests that arrived during this step are admitted now, to be prefilled in what is left of it."""
-        waiting = len(self._waiting)
-        self.intake()
-        if len(self._waiting) > waiting:
-            self._admit()
-            self._join_ready()
 
     def _join_ready(self) -> None:
         """Every prompt left with only its last token joins the batch (`pick` must never see one)."""

@@ -242,8 +242,6 @@ class Server:
             burst_ms = DEFAULT_BURST_MS if on_cuda() else 0
         self._gather = Gather(engine.options.gather_ms / 1000, burst_ms / 1000)
         self._ended = 0  # replies that ended on the current step (not cancelled ones)
-        if hasattr(engine, "intake"):  # the prefill scheduler's: arrivals join a step already running
-            engine.intake = self._intake
 
     # -- reader thread --
     def on_message(self, msg: object) -> None:
@@ -302,16 +300,6 @@ class Server:
             self._ended = 0
             engine.step()
             self._gather.ended(self._ended, time.perf_counter())
-
-    def _intake(self) -> None:
-        """Mid-step (`PrefillScheduler.intake`, MLX thread): the requests queued since the step began go
-        to the engine now, unless held back (`Gather`); cancels wait for the step's end."""
-        with self._cond:
-            if not self._inbox or self._stopping or self._clear_cache or self._held(time.perf_counter()):
-                return
-            inbox, self._inbox = self._inbox, deque()
-        for req, queued_at in inbox:
-            self._engine.submit(req, self, queued_at=queued_at)
 
     def _warming(self) -> bool:
         """Whether the engine is reading disk entries back into memory (`Engine.warm_step`); engines
