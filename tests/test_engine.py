@@ -94,6 +94,24 @@ def test_reuse_inside_a_batch_keeps_ids(engines):
     assert rec.stats[31].cached_tokens > 0 and rec.stats[32].cached_tokens > 0
 
 
+def test_a_prefix_under_the_floor_is_not_served_but_a_prompt_sent_again_is(tiny_model):
+    """A prompt that shares only its first tokens with a cached one is prefilled whole (no copy of another
+    sequence's cache for a token or two); one that shares `MIN_PREFIX_TOKENS` or more is served them; a
+    short prompt sent again is served all of it but its last token."""
+    from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
+
+    engine = Engine(tiny_model)
+    base = [5 + (i * 7) % 90 for i in range(80)]
+    run_alone(engine, gen(1, ids=base))
+    few = base[:3] + [200 + i for i in range(60)]
+    many = base[: MIN_PREFIX_TOKENS + 8] + [300 + i for i in range(30)]
+    assert run_alone(engine, gen(2, ids=few))[1].cached_tokens == 0
+    assert run_alone(engine, gen(3, ids=many))[1].cached_tokens == MIN_PREFIX_TOKENS + 8
+    short = [400 + i for i in range(6)]
+    assert run_alone(engine, gen(4, ids=short))[1].cached_tokens == 0
+    assert run_alone(engine, gen(5, ids=short))[1].cached_tokens == len(short) - 1
+
+
 def test_chats_arriving_together_prefill_their_system_prompt_once(engines):
     """Chats that share an uncached system prompt: one prefills it, the others start from its checkpoint."""
     name, on, off = engines
