@@ -112,6 +112,39 @@ def test_a_prefix_under_the_floor_is_not_served_but_a_prompt_sent_again_is(tiny_
     assert run_alone(engine, gen(5, ids=short))[1].cached_tokens == len(short) - 1
 
 
+def test_the_prefix_floor_holds_in_a_batch(tiny_model):
+    """Batched as alone: a prompt sharing only its first tokens with a cached one is prefilled whole, one
+    sharing `MIN_PREFIX_TOKENS` or more is served them."""
+    from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
+
+    engine = Engine(tiny_model)
+    base = [5 + (i * 7) % 90 for i in range(80)]
+    run_alone(engine, gen(1, ids=base))
+    few = base[:3] + [200 + i for i in range(60)]
+    many = base[: MIN_PREFIX_TOKENS + 8] + [300 + i for i in range(30)]
+    rec = run_batch(engine, [gen(2, ids=few), gen(3, ids=many)])
+    assert (rec.stats[2].cached_tokens, rec.stats[3].cached_tokens) == (0, MIN_PREFIX_TOKENS + 8)
+
+
+def test_chats_sharing_a_short_system_prompt_start_from_its_checkpoint(tiny_model):
+    """A system prompt under `MIN_PREFIX_TOKENS` is a checkpoint the chats beside it begin with: it is
+    served to them (the floor is for entries trimmed back, not for those kept to be shared), so one chat
+    prefills it and the others wait for it once, not each in turn."""
+    from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
+
+    on = Engine(tiny_model, options=EngineOptions(prefill_step_size=512, prefill_budget_ms=2000))
+    off = Engine(tiny_model, options=EngineOptions(prefill_step_size=512, prefill_budget_ms=2000,
+                                                   prompt_cache_bytes=0))
+    reqs = [gen(60 + i, messages=chat(f"Ship {i}: what did you see?", system="Be brief and kind."))
+            for i in range(6)]
+    system = on.system_end(reqs[0], on.prompt_ids(reqs[0]))
+    assert 0 < system < MIN_PREFIX_TOKENS
+    rec = run_batch(on, reqs)
+    assert rec.ids == run_batch(off, reqs).ids
+    assert sorted(rec.stats[r.id].cached_tokens for r in reqs) == [0] + [system] * 5
+    assert on.prefill_calls <= 2, on.prefill_calls  # the leader's system prompt, then the rest together
+
+
 def test_chats_arriving_together_prefill_their_system_prompt_once(engines):
     """Chats that share an uncached system prompt: one prefills it, the others start from its checkpoint."""
     name, on, off = engines

@@ -79,7 +79,8 @@ def test_quantization_starts_at_quantized_kv_start(small_path):
     long = gen(2, ids=list(range(200, 240)), max_tokens=8)
     run_alone(engine, short)
     run_alone(engine, long)
-    assert not is_quantized(engine.prefix_cache.fetch(short.prompt_ids + [0])[0])
+    kept, n = engine.prefix_cache.fetch(short.prompt_ids + [0])
+    assert n == len(short.prompt_ids) and not is_quantized(kept)  # served, not a miss
     assert is_quantized(engine.prefix_cache.fetch(long.prompt_ids + [0])[0])
 
 

@@ -7,10 +7,13 @@ what the engine needs around it:
 
 - a served prefix is always shorter than the prompt, so at least one token
   is left to prefill (the model must produce the first token's logits);
-- a prefix shorter than `MIN_PREFIX_TOKENS` is not served (unless it is all
-  of the prompt but its last token): prompts that merely begin alike (the same
-  first word) would each take a copy of another's cache to skip a token or
-  two, and a burst of them would be prefilled in uneven rows;
+- a longer entry is trimmed back to what it shares with the prompt only where
+  that is at least `MIN_PREFIX_TOKENS` (or all of the prompt but its last
+  token): prompts that merely begin alike (the same first word) would each take
+  a copy of another's cache to skip a token or two, and a burst of them would
+  be prefilled in uneven rows. An entry the prompt begins with (a system
+  prompt's checkpoint, a prompt-cache file, an earlier turn) is served at any
+  length: it was kept to be shared;
 - caches that cannot be trimmed (`RotatingKVCache` once it has rotated,
   `ArraysCache`'s recurrent state) are only reused from an exact checkpoint,
   which `LRUPromptCache` already guarantees; the engine takes checkpoints at
@@ -51,10 +54,7 @@ if TYPE_CHECKING:
 _MODEL_KEY = "model"
 #: Entries kept at most, besides the byte cap: the trie walk grows with them.
 MAX_ENTRIES = 256
-#: The shortest prefix served, tokens (a prompt's all but its last token is served whatever its length):
-#: on an H200, sixteen 128-token prompts that shared their first token with earlier ones were each served
-#: that token, and their prefill calls, in uneven rows (125-127 tokens), took 75-147 ms against 14-25 ms
-#: for even ones (docs/benchmarks/gpu-h200-s12.md). The scheduler's smallest chunk.
+#: The shortest shared part a longer entry is trimmed back to, tokens (docs/engine.md#prefix-reuse).
 MIN_PREFIX_TOKENS = 32
 
 
@@ -123,12 +123,10 @@ class PrefixCache:
     def fetch(self, ids: list[int]) -> tuple[list | None, int]:
         """A copy of the cache for the longest cached prefix of `ids`, and its length in tokens.
 
-        The prefix is at most ``len(ids) - 1`` tokens long, and at least `MIN_PREFIX_TOKENS` unless it
-        is that long; (None, 0) on a miss.
+        The prefix is at most ``len(ids) - 1`` tokens long; one trimmed from a longer entry is at least
+        `MIN_PREFIX_TOKENS` long unless it is all of `ids` but the last token; (None, 0) on a miss.
         """
         cache, n = self._fetch(ids) if self.enabled and len(ids) > 1 else (None, 0)
-        if n < min(MIN_PREFIX_TOKENS, len(ids) - 1):
-            cache, n = None, 0
         if self.disk is not None and len(ids) > 1:
             cache, n = self._from_disk(ids, cache, n)
         if n:
@@ -139,6 +137,15 @@ class PrefixCache:
         return cache, n
 
     def _fetch(self, ids: list[int]) -> tuple[list | None, int]:
+        found = self._lru._trie.search(_MODEL_KEY, ids)  # what `fetch_nearest_cache` would serve
+        shorter = len(found.shorter or ())
+        if (found.exact is None and found.longer is not None
+                and shorter < found.common_prefix < min(MIN_PREFIX_TOKENS, len(ids) - 1)):
+            # The nearest entry shares only the prompt's first few tokens: not trimmed back to them.
+            if not shorter:
+                return None, 0
+            cache, _ = self._lru.fetch_nearest_cache(_MODEL_KEY, found.shorter)
+            return cache, shorter
         cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, ids)
         if cache is None:
             return None, 0
