@@ -78,7 +78,7 @@ def _schedule(spec: dict[str, tuple[float, list[int], int]], submit: Callable, s
 class EngineTarget:
     """mlxrt's `Engine` in-process, stepped on this thread."""
 
-    def __init__(self, name: str, model: str, budget_ms: int | None, *, grid: bool | None = None) -> None:
+    def __init__(self, name: str, model: str, budget_ms: int | None) -> None:
         from mlxrt.ipc.protocol import EngineOptions
         from mlxrt.worker.engine import Engine
 
@@ -86,8 +86,6 @@ class EngineTarget:
         if budget_ms is not None:
             opts = EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=budget_ms)
         self.name, self.engine = name, Engine(model, options=opts)
-        if grid is not None:  # the A/B of the chunks' grid (on by default only on CUDA)
-            self.engine.sizer.grid = grid
 
     def run(self, spec: dict[str, tuple[float, list[int], int]]) -> dict[str, float]:
         from mlxrt.ipc.protocol import Generate, SamplingParams

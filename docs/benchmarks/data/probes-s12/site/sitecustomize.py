@@ -8,7 +8,8 @@
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
 #                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
 #   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N;
-#   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`).
+#   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`; a no-op
+#                      since 7471b54 took `intake` out).
 import importlib.abc
 import importlib.util
 import json
