@@ -94,36 +94,27 @@ def test_reuse_inside_a_batch_keeps_ids(engines):
     assert rec.stats[31].cached_tokens > 0 and rec.stats[32].cached_tokens > 0
 
 
-def test_a_prefix_under_the_floor_is_not_served_but_a_prompt_sent_again_is(tiny_model):
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_a_prefix_under_the_floor_is_not_served_but_a_prompt_sent_again_is(tiny_model, batched):
     """A prompt that shares only its first tokens with a cached one is prefilled whole (no copy of another
-    sequence's cache for a token or two); one that shares `MIN_PREFIX_TOKENS` or more is served them; a
-    short prompt sent again is served all of it but its last token."""
+    sequence's cache for a token or two), alone or batched; one that shares `MIN_PREFIX_TOKENS` or more is
+    served them; a short prompt sent again is served all of it but its last token."""
     from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
 
     engine = Engine(tiny_model)
     base = [5 + (i * 7) % 90 for i in range(80)]
     run_alone(engine, gen(1, ids=base))
-    few = base[:3] + [200 + i for i in range(60)]
-    many = base[: MIN_PREFIX_TOKENS + 8] + [300 + i for i in range(30)]
-    assert run_alone(engine, gen(2, ids=few))[1].cached_tokens == 0
-    assert run_alone(engine, gen(3, ids=many))[1].cached_tokens == MIN_PREFIX_TOKENS + 8
+    few = gen(2, ids=base[:3] + [200 + i for i in range(60)])
+    many = gen(3, ids=base[: MIN_PREFIX_TOKENS + 8] + [300 + i for i in range(30)])
+    if batched:
+        rec = run_batch(engine, [few, many])
+        cached = (rec.stats[2].cached_tokens, rec.stats[3].cached_tokens)
+    else:
+        cached = (run_alone(engine, few)[1].cached_tokens, run_alone(engine, many)[1].cached_tokens)
+    assert cached == (0, MIN_PREFIX_TOKENS + 8)
     short = [400 + i for i in range(6)]
     assert run_alone(engine, gen(4, ids=short))[1].cached_tokens == 0
     assert run_alone(engine, gen(5, ids=short))[1].cached_tokens == len(short) - 1
-
-
-def test_the_prefix_floor_holds_in_a_batch(tiny_model):
-    """Batched as alone: a prompt sharing only its first tokens with a cached one is prefilled whole, one
-    sharing `MIN_PREFIX_TOKENS` or more is served them."""
-    from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
-
-    engine = Engine(tiny_model)
-    base = [5 + (i * 7) % 90 for i in range(80)]
-    run_alone(engine, gen(1, ids=base))
-    few = base[:3] + [200 + i for i in range(60)]
-    many = base[: MIN_PREFIX_TOKENS + 8] + [300 + i for i in range(30)]
-    rec = run_batch(engine, [gen(2, ids=few), gen(3, ids=many)])
-    assert (rec.stats[2].cached_tokens, rec.stats[3].cached_tokens) == (0, MIN_PREFIX_TOKENS + 8)
 
 
 def test_chats_sharing_a_short_system_prompt_start_from_its_checkpoint(tiny_model):
