@@ -136,6 +136,20 @@ def test_chats_sharing_a_short_system_prompt_start_from_its_checkpoint(tiny_mode
     assert on.prefill_calls <= 2, on.prefill_calls  # the leader's system prompt, then the rest together
 
 
+def test_a_short_system_prompt_is_still_served_after_a_chat_that_began_with_it_ends(tiny_model):
+    """The cache a chat leaves when it ends does not supersede its system prompt's checkpoint under
+    `MIN_PREFIX_TOKENS` (a trim back to that is refused): the next chat with that system prompt starts there."""
+    from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
+
+    engine = Engine(tiny_model)
+    first = gen(70, messages=chat("Ship 1: what did you see?", system="Be brief and kind."))
+    later = gen(71, messages=chat("A storm is coming: what now?", system="Be brief and kind."))
+    system = engine.system_end(first, engine.prompt_ids(first))
+    assert 0 < system < MIN_PREFIX_TOKENS
+    run_alone(engine, first)
+    assert run_alone(engine, later)[1].cached_tokens == system
+
+
 def test_chats_arriving_together_prefill_their_system_prompt_once(engines):
     """Chats that share an uncached system prompt: one prefills it, the others start from its checkpoint."""
     name, on, off = engines

@@ -58,8 +58,22 @@ MAX_ENTRIES = 256
 MIN_PREFIX_TOKENS = 32
 
 
-class _EvictingTrie(PromptTrie):
-    """`LRUPromptCache`'s trie, telling `evicted(tokens, entry)` of each entry that leaves memory:
+class _Trie(PromptTrie):
+    """`LRUPromptCache`'s trie, but a longer trimmable entry does not supersede (`pop_prefixes`) one under
+    `MIN_PREFIX_TOKENS`: a short system prompt's checkpoint or prompt-cache file would otherwise go once a
+    chat that begins with it ends, and a trim back to it is refused (`PrefixCache._fetch`)."""
+
+    def pop_prefixes(self, model: object, tokens: list[int]) -> list[tuple[int, object]]:
+        popped, node = [], self._trie[model]
+        for i, token in enumerate(tokens):
+            if i >= MIN_PREFIX_TOKENS and "__value__" in node:
+                popped.append((i, node.pop("__value__")))
+            node = node[token]
+        return popped
+
+
+class _EvictingTrie(_Trie):
+    """`LRUPromptCache`'s trie (`_Trie`), telling `evicted(tokens, entry)` of each entry that leaves memory:
     evictions (the byte cap, the entry cap, `trim_to`, through `pop`) and prefixes a longer trimmable
     entry supersedes (`pop_prefixes`: in memory the longer one serves them trimmed, but a disk entry
     serves only prompts it begins, so a system prompt's checkpoint must reach the disk itself).
@@ -102,8 +116,8 @@ class PrefixCache:
         self.prefill_tps: float | None = None
         cap = max(max_bytes, 0) if total is None else 1 << 62  # a group evicts in `_evict`
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=cap)
-        if self.disk is not None:
-            self._lru._trie = _EvictingTrie(self._evicted)  # empty yet: see the module docstring
+        # Empty yet: see the module docstring.
+        self._lru._trie = _EvictingTrie(self._evicted) if self.disk is not None else _Trie()
         self._spill_until = 0.0  # while `spill` runs: how long a write may wait for room (monotonic s)
         self.hits = 0
         self.misses = 0
@@ -139,7 +153,7 @@ class PrefixCache:
     def _fetch(self, ids: list[int]) -> tuple[list | None, int]:
         found = self._lru._trie.search(_MODEL_KEY, ids)  # what `fetch_nearest_cache` would serve
         shorter = len(found.shorter or ())
-        if (found.exact is None and found.longer is not None
+        if (found.exact is None and found.longer is not None and len(found.longer) > found.common_prefix
                 and shorter < found.common_prefix < min(MIN_PREFIX_TOKENS, len(ids) - 1)):
             # The nearest entry shares only the prompt's first few tokens: not trimmed back to them.
             if not shorter:
