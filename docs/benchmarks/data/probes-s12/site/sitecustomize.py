@@ -3,7 +3,8 @@
 # worker (a worker under the harness, or an in-process engine) appends one JSON line per event to
 # DIR/trace-PID.jsonl: a request's arrival on the reader thread, its admission, each step and the calls
 # inside it, and each request's first token. `show.py DIR` prints them burst by burst.
-# Variants for an A/B (each also applies to the harness's own process, native-batch included):
+# Variants for an A/B (each also applies to the harness's own process, native-batch included; they apply
+# with or without MLXRT_PROBE_TRACE since 897f0f2: lease 4's agent run set none, and its variant was lost):
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
 #                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
@@ -25,6 +26,8 @@ _lock = threading.Lock()
 
 def emit(kind, t0, seconds=0.0, **what):
     global _out
+    if not DIR:  # variants only
+        return
     with _lock:
         if _out is None:
             os.makedirs(DIR, exist_ok=True)
@@ -175,6 +178,6 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if DIR:
+if DIR or any(k.startswith("PROBE_") for k in os.environ):
     sys.meta_path.insert(0, _Finder())
     patch_mx()
