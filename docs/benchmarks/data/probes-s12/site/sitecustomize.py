@@ -4,7 +4,7 @@
 # DIR/trace-PID.jsonl: a request's arrival on the reader thread, its admission, each step and the calls
 # inside it, and each request's first token. `show.py DIR` prints them burst by burst.
 # Variants for an A/B (each also applies to the harness's own process, native-batch included; they apply
-# with or without MLXRT_PROBE_TRACE since 897f0f2: lease 4's agent run set none, and its variant was lost):
+# with or without MLXRT_PROBE_TRACE; before, they needed it, and lease 4's agent run, which set none, lost its variant):
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
 #                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
