@@ -26,7 +26,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "trace-*.jsonl"))):
         if not firsts:
             continue
         t1 = max(e["t"] for e in firsts)
-        ms = lambda t: (t - t0) * 1e3  # noqa: E731
+        ms = lambda t, t0=t0: (t - t0) * 1e3  # noqa: E731
         print(f"== {os.path.basename(path)}: {len(b)} requests arrived over {ms(b[-1]['t']):.1f} ms; "
               f"admitted {ms(subs[0]['t']):.1f}-{ms(subs[-1]['t']):.1f} ms ({len(subs)}); first tokens "
               f"{ms(min(e['t'] for e in firsts)):.1f}-{ms(t1):.1f} ms ({len(firsts)})")

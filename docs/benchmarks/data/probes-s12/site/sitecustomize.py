@@ -4,7 +4,8 @@
 # DIR/trace-PID.jsonl: a request's arrival on the reader thread, its admission, each step and the calls
 # inside it, and each request's first token. `show.py DIR` prints them burst by burst.
 # Variants for an A/B (each also applies to the harness's own process, native-batch included; they apply
-# with or without MLXRT_PROBE_TRACE; before, they needed it, and lease 4's agent run, which set none, lost its variant):
+# with or without MLXRT_PROBE_TRACE: they needed it before, and lease 4's agent run, which set none, lost
+# its variant):
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
 #                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
@@ -113,8 +114,8 @@ def patch_prefill(mod):
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
-    mod.run_chunk = timed("chunk", mod.run_chunk, lambda m, p, size, s: {"size": size, "after": len(p.tokens)},
-                          evals=True)
+    mod.run_chunk = timed("chunk", mod.run_chunk,
+                          lambda m, p, size, s: {"size": size, "after": len(p.tokens)}, evals=True)
 
 
 def patch_serve(mod):
@@ -149,8 +150,9 @@ def patch_prefix_cache(mod):
         mod.MIN_PREFIX_TOKENS = int(os.environ["PROBE_MIN_PREFIX"])
 
 
-PATCHES = {"mlxrt.worker.prefix_cache": patch_prefix_cache, "mlxrt.worker.engine": patch_engine, "mlxrt.worker.prefill": patch_prefill,
-           "mlxrt.worker.serve": patch_serve, "mlx_lm.generate": patch_generate}
+PATCHES = {"mlxrt.worker.prefix_cache": patch_prefix_cache, "mlxrt.worker.engine": patch_engine,
+           "mlxrt.worker.prefill": patch_prefill, "mlxrt.worker.serve": patch_serve,
+           "mlx_lm.generate": patch_generate}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
