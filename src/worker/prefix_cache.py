@@ -151,10 +151,13 @@ class PrefixCache:
         return cache, n
 
     def _fetch(self, ids: list[int]) -> tuple[list | None, int]:
-        found = self._lru._trie.search(_MODEL_KEY, ids)  # what `fetch_nearest_cache` would serve
+        # What `fetch_nearest_cache` would serve, as far as the floor can matter: a prompt that shares its
+        # first `floor` tokens with an entry is served as mlx-lm serves it, so a longer prompt's walk stops.
+        floor = min(MIN_PREFIX_TOKENS, len(ids) - 1)
+        found = self._lru._trie.search(_MODEL_KEY, ids[:floor])
         shorter = len(found.shorter or ())
         if (found.exact is None and found.longer is not None and len(found.longer) > found.common_prefix
-                and shorter < found.common_prefix < min(MIN_PREFIX_TOKENS, len(ids) - 1)):
+                and shorter < found.common_prefix < floor):
             # The nearest entry shares only the prompt's first few tokens: not trimmed back to them.
             if not shorter:
                 return None, 0
