@@ -138,7 +138,8 @@ def test_chats_sharing_a_short_system_prompt_start_from_its_checkpoint(tiny_mode
 
 def test_a_short_system_prompt_is_still_served_after_a_chat_that_began_with_it_ends(tiny_model):
     """The cache a chat leaves when it ends does not supersede its system prompt's checkpoint under
-    `MIN_PREFIX_TOKENS` (a trim back to that is refused): the next chat with that system prompt starts there."""
+    `MIN_PREFIX_TOKENS` (a trim back to that is refused): the next chat with that system prompt starts
+    there."""
     from mlxrt.worker.prefix_cache import MIN_PREFIX_TOKENS
 
     engine = Engine(tiny_model)
