@@ -508,6 +508,22 @@ def test_a_burst_keeps_short_first_and_a_long_prompt_in_chunks(slowed, alone):
     assert rec.ids == want
 
 
+def test_a_burst_ready_together_joins_the_batch_in_one_step(tiny_model, alone):
+    """Six short prompts prefilled in one step (two to a call: `prompt_concurrency`) all join the batch
+    at once and get their first tokens in that step, not two a step as mlx-lm's prompt batch takes
+    them; each keeps its tokens alone."""
+    engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=60_000, prefill_step_size=STEP,
+                                                      prompt_cache_bytes=0, prompt_concurrency=2,
+                                                      decode_concurrency=8))
+    rec = Events()
+    shorts = [gen(400 + k, short_prompt(30 + k), max_tokens=5) for k in range(6)]
+    run(engine, rec, {0: shorts})
+    assert engine.prefill_calls == 3 and engine.prefill_batched == 6
+    firsts = {rec.events[:rec.first("token", s.id)].count(("step", 0)) for s in shorts}
+    assert firsts == {0}  # no ("step", 0) before any first token: all came in step 0
+    assert rec.ids == {s.id: alone(s) for s in shorts}
+
+
 def test_a_batched_prefill_that_fails_fails_its_rows_alone(tiny_model, alone):
     """A batched prefill call that raises fails the prompts it carried; A, decoding beside them, keeps
     its tokens, and the engine then serves the next burst as alone."""

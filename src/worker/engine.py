@@ -211,6 +211,10 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self.masks = StepMasks()
         self.token_bytes = TokenBytes(self.tokenizer, self.grammars)
+        budget = o.prefill_budget_ms
+        if budget is None:  # auto: see EngineOptions.prefill_budget_ms
+            budget = DEFAULT_PREFILL_BUDGET_MS
+        self.scheduled = budget > 0 and group is None
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
@@ -236,10 +240,6 @@ class Engine(PromptBuilder, PrefillScheduler):
         #: The scheduler's model calls, and the prompts prefilled in calls that carried several (a burst).
         self.prefill_calls = 0
         self.prefill_batched = 0
-        budget = o.prefill_budget_ms
-        if budget is None:  # auto: see EngineOptions.prefill_budget_ms
-            budget = DEFAULT_PREFILL_BUDGET_MS
-        self.scheduled = budget > 0 and group is None
         self.sizer = ChunkSizer(budget if self.scheduled else 0, self.prefill.solo, grid=on_cuda())
         self.load_s = time.perf_counter() - t0
         self.warmup_s = 0.0
@@ -842,11 +842,15 @@ class Engine(PromptBuilder, PrefillScheduler):
             self._failed(seq, error)
 
     def _new_batch(self) -> BatchGenerator:
+        """mlx-lm's batch. On the scheduler's path every prompt reaches it at its last token (`_join`),
+        so its prompt batch is only the joins' one-token step: every prompt ready at once joins in one
+        call, not `prompt_concurrency` a call (at 32 streams four calls of a new shape each on CUDA:
+        docs/benchmarks/gpu-h200-s13.md); the scheduler's own calls keep to `prompt_concurrency`."""
         o = self.options
         return BatchGenerator(
             self.model,
             completion_batch_size=self.decode_concurrency,
-            prefill_batch_size=self.prefill.batch_prompts,
+            prefill_batch_size=self.decode_concurrency if self.scheduled else self.prefill.batch_prompts,
             prefill_step_size=self.prefill.batch,
             max_kv_size=o.max_kv_size,
         )

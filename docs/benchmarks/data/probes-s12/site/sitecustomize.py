@@ -8,7 +8,9 @@
 # its variant):
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
 #   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
-#                      its last token in one call (prefill_batch_size = decode_concurrency), not 8;
+#                      its last token in one call (prefill_batch_size = decode_concurrency), not 8 (the
+#                      engine's own way since session 13: a no-op there);
+#   PROBE_JOIN_PROMPTS=1  the way before session 13: the batch takes `prompt_concurrency` prompts a call;
 #   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N;
 #   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`; a no-op
 #                      since 7471b54 took `intake` out).
@@ -90,6 +92,14 @@ def patch_engine(mod):
         emit("submit", time.perf_counter(), id=getattr(req, "id", None))
         return submit(self, req, *a, **k)
     E.submit = submit_w
+    if os.environ.get("PROBE_JOIN_PROMPTS"):
+        new_batch0 = E._new_batch
+
+        def new_batch_p(self):
+            batch = new_batch0(self)
+            batch.prefill_batch_size = self.prefill.batch_prompts
+            return batch
+        E._new_batch = new_batch_p
     if os.environ.get("PROBE_JOIN_ALL"):
         new_batch = E._new_batch
 
