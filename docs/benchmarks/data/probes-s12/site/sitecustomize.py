@@ -12,6 +12,8 @@
 #                      engine's own way since session 13: a no-op there);
 #   PROBE_JOIN_PROMPTS=1  the way before session 13: the batch takes `prompt_concurrency` prompts a call;
 #   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N;
+#   PROBE_GC_FREEZE=1  an engine, once built, moves every object there is to the GC's permanent generation
+#                      (gc.freeze), so that no collection walks the model's and the tokenizer's objects;
 #   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`; a no-op
 #                      since 7471b54 took `intake` out).
 import importlib.abc
@@ -60,6 +62,19 @@ def timed(kind, fn, what=None, evals=False):
     return wrapper
 
 
+def watch_gc():
+    """Every collection of 0.5 ms or more, as a "gc" event with its generation (session 13)."""
+    import gc
+    began = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            began[0] = time.perf_counter()
+        elif (d := time.perf_counter() - began[0]) >= 5e-4:
+            emit("gc", began[0], d, gen=info["generation"], collected=info["collected"])
+    gc.callbacks.append(on_gc)
+
+
 def patch_mx():
     import mlx.core as mx
     ev = mx.eval
@@ -84,7 +99,7 @@ def patch_engine(mod):
         return {"waiting": len(self._waiting), "prefills": len(self._prefills), "running": len(self._running),
                 "solo": self._solo is not None}
     E.step = timed("STEP", E.step, step_what)
-    for name in ("_admit", "_prefill_step", "_solo_step", "_hand_over", "_deliver", "_batch_step"):
+    for name in ("_admit", "_prefill_step", "_solo_step", "_hand_over", "_deliver", "_batch_step", "_insert"):
         setattr(E, name, timed(name, getattr(E, name)))
     submit = E.submit
 
@@ -92,6 +107,15 @@ def patch_engine(mod):
         emit("submit", time.perf_counter(), id=getattr(req, "id", None))
         return submit(self, req, *a, **k)
     E.submit = submit_w
+    if os.environ.get("PROBE_GC_FREEZE"):
+        import gc
+        init_f = E.__init__
+
+        def init_freeze(self, *a, **k):
+            init_f(self, *a, **k)
+            gc.collect()
+            gc.freeze()
+        E.__init__ = init_freeze
     if os.environ.get("PROBE_JOIN_PROMPTS"):
         new_batch0 = E._new_batch
 
@@ -156,6 +180,7 @@ def patch_generate(mod):
 
 
 def patch_prefix_cache(mod):
+    mod.PrefixCache.fetch = timed("fetch", mod.PrefixCache.fetch)
     if os.environ.get("PROBE_MIN_PREFIX"):
         mod.MIN_PREFIX_TOKENS = int(os.environ["PROBE_MIN_PREFIX"])
 
@@ -193,3 +218,5 @@ class _Finder(importlib.abc.MetaPathFinder):
 if DIR or any(k.startswith("PROBE_") for k in os.environ):
     sys.meta_path.insert(0, _Finder())
     patch_mx()
+    if DIR:
+        watch_gc()
