@@ -117,6 +117,54 @@ def test_a_prefix_under_the_floor_is_not_served_but_a_prompt_sent_again_is(tiny_
     assert run_alone(engine, gen(5, ids=short))[1].cached_tokens == len(short) - 1
 
 
+def test_the_trie_finds_what_mlx_lms_finds():
+    """`_Trie.search` (linear) returns what mlx-lm's `PromptTrie.search` (quadratic) does, and
+    `_Trie.below_floor` (one walk, no search below) refuses a trim exactly where the floor's test on that
+    search does: random tries and prompts' heads, short entries kept beside longer ones (`pop_prefixes`),
+    evictions and 1-token entries included."""
+    import random
+
+    from mlx_lm.models.cache import PromptTrie
+    from mlxrt.worker.prefix_cache import _Trie
+
+    def by_search(trie, tokens):
+        found = PromptTrie.search(trie, "m", tokens)
+        shorter = len(found.shorter or ())
+        common = found.common_prefix
+        refused = (found.exact is None and found.longer is not None and len(found.longer) > common
+                   and shorter < common < len(tokens))
+        return shorter if refused else None
+
+    rng = random.Random(7)
+    refusals = 0
+    for _ in range(3000):
+        trie, entries = _Trie(), []
+        for _ in range(rng.randint(1, 6)):
+            entry = [rng.randint(1, 3) for _ in range(rng.randint(1, 48))]
+            trie.add("m", entry, object())
+            if rng.random() < 0.7:  # a trimmable cache: mlx-lm drops the prefixes it serves by trimming
+                trie.pop_prefixes("m", entry)
+            entries.append(entry)
+        if len(entries) > 1 and rng.random() < 0.3:  # an eviction
+            gone = entries.pop(rng.randrange(len(entries)))
+            try:
+                trie.pop("m", gone)
+            except KeyError:  # its value went with pop_prefixes
+                pass
+        for _ in range(8):
+            head = list(rng.choice(entries)[: rng.randint(0, 40)])
+            if head and rng.random() < 0.7:
+                head[rng.randrange(len(head))] = rng.randint(1, 4)
+            head += [rng.randint(1, 4) for _ in range(rng.randint(0, 8))]
+            assert trie.search("m", head) == PromptTrie.search(trie, "m", head), (entries, head)
+            head = head[:32]
+            want = by_search(trie, head)
+            assert trie.below_floor("m", head) == want, (entries, head)
+            refusals += want is not None
+    assert refusals > 1000  # the cases include many a refusal, not only the walks that serve
+    assert _Trie().below_floor("m", [1, 2]) is None
+
+
 def test_chats_sharing_a_short_system_prompt_start_from_its_checkpoint(tiny_model):
     """A system prompt under `MIN_PREFIX_TOKENS` is a checkpoint the chats beside it begin with: it is
     served to them (the floor is for entries trimmed back, not for those kept to be shared), so one chat
