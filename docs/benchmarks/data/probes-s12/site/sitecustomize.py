@@ -29,6 +29,11 @@ _out = None
 _lock = threading.Lock()
 
 
+#: Events noted by the GC's callback, written by the next `emit`: a collection can start inside `emit` (its
+#: allocations), where writing again would wait on `_lock` for ever (session 13's leases 3 and 5 hung so).
+_pending: list = []
+
+
 def emit(kind, t0, seconds=0.0, **what):
     global _out
     if not DIR:  # variants only
@@ -37,6 +42,9 @@ def emit(kind, t0, seconds=0.0, **what):
         if _out is None:
             os.makedirs(DIR, exist_ok=True)
             _out = open(os.path.join(DIR, f"trace-{os.getpid()}.jsonl"), "a", buffering=1)
+        while _pending:
+            k, t, d, w = _pending.pop(0)
+            _out.write(json.dumps({"e": k, "t": t, "d": d, **w}) + "\n")
         _out.write(json.dumps({"e": kind, "t": t0, "d": seconds, **what}) + "\n")
 
 
@@ -71,7 +79,7 @@ def watch_gc():
         if phase == "start":
             began[0] = time.perf_counter()
         elif (d := time.perf_counter() - began[0]) >= 5e-4:
-            emit("gc", began[0], d, gen=info["generation"], collected=info["collected"])
+            _pending.append(("gc", began[0], d, {"gen": info["generation"], "collected": info["collected"]}))
     gc.callbacks.append(on_gc)
 
 
