@@ -118,10 +118,8 @@ def test_a_prefix_under_the_floor_is_not_served_but_a_prompt_sent_again_is(tiny_
 
 
 def test_the_trie_finds_what_mlx_lms_finds():
-    """`_Trie.search` (linear) returns what mlx-lm's `PromptTrie.search` (quadratic) does, and
-    `_Trie.below_floor` (one walk, no search below) refuses a trim exactly where the floor's test on that
-    search does: random tries and prompts' heads, short entries kept beside longer ones (`pop_prefixes`),
-    evictions and 1-token entries included."""
+    """`_Trie.search` returns what mlx-lm's does, and `below_floor` refuses a trim exactly where the floor's
+    test on that search does, on random tries (evictions, `pop_prefixes`, 1-token entries)."""
     import random
 
     from mlx_lm.models.cache import PromptTrie

@@ -467,15 +467,18 @@ def longest_pass_over(rec: Events, rid: int) -> int:
 def test_the_budget_left_on_auto_schedules_and_chunks_on_the_grid_on_cuda(tiny_model):
     """prefill_budget_ms left on auto: the scheduler runs with the default budget on every backend, its
     chunks on the grid on MLX's CUDA backend, where each new shape costs an attention graph (measured
-    there: the docs); 0 keeps mlx-lm's prefill."""
+    there: the docs), and the batch takes every ready prompt in one call; 0 keeps mlx-lm's prefill, its
+    prompts `prompt_concurrency` a call."""
     from mlxrt.ipc.protocol import DEFAULT_PREFILL_BUDGET_MS
     from mlxrt.worker.limits import on_cuda
 
     assert EngineOptions().prefill_budget_ms is None
     e = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
     assert e.scheduled and e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS and e.sizer.grid is on_cuda()
+    assert e._batch.prefill_batch_size == e.decode_concurrency > e.prefill.batch_prompts
     off = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=0))
     assert not off.scheduled and off.sizer.budget_ms == 0
+    assert off._batch.prefill_batch_size == off.prefill.batch_prompts
 
 
 def test_a_burst_of_short_prompts_is_prefilled_in_batched_calls(slowed, alone):
@@ -509,9 +512,8 @@ def test_a_burst_keeps_short_first_and_a_long_prompt_in_chunks(slowed, alone):
 
 
 def test_a_burst_ready_together_joins_the_batch_in_one_step(tiny_model, alone):
-    """Six short prompts prefilled in one step (two to a call: `prompt_concurrency`) all join the batch
-    at once and get their first tokens in that step, not two a step as mlx-lm's prompt batch takes
-    them; each keeps its tokens alone."""
+    """Six short prompts prefilled in one step, two to a call (`prompt_concurrency`), all get their first
+    tokens in that step, as their tokens alone."""
     engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=60_000, prefill_step_size=STEP,
                                                       prompt_cache_bytes=0, prompt_concurrency=2,
                                                       decode_concurrency=8))

@@ -842,10 +842,9 @@ class Engine(PromptBuilder, PrefillScheduler):
             self._failed(seq, error)
 
     def _new_batch(self) -> BatchGenerator:
-        """mlx-lm's batch. On the scheduler's path every prompt reaches it at its last token (`_join`),
-        so its prompt batch is only the joins' one-token step: every prompt ready at once joins in one
-        call, not `prompt_concurrency` a call (at 32 streams four calls of a new shape each on CUDA:
-        docs/benchmarks/gpu-h200-s13.md); the scheduler's own calls keep to `prompt_concurrency`."""
+        """mlx-lm's batch. On the scheduler's path a prompt reaches it at its last token (`_join`), so its
+        prompt batch is only the joins' one-token step: every ready prompt joins in one call. Off that path
+        (no budget, a worker group) mlx-lm prefills, `prefill.batch_prompts` prompts a call."""
         o = self.options
         return BatchGenerator(
             self.model,

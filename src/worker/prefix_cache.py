@@ -67,14 +67,11 @@ MIN_PREFIX_TOKENS = 32
 class _Trie(PromptTrie):
     """`LRUPromptCache`'s trie, but a longer trimmable entry does not supersede (`pop_prefixes`) one under
     `MIN_PREFIX_TOKENS`: a short system prompt's checkpoint or prompt-cache file would otherwise go once a
-    chat that begins with it ends, and a trim back to it is refused (`PrefixCache._fetch`). Its `search`
-    finds what mlx-lm's finds in time linear in the trie it walks."""
+    chat that begins with it ends, and a trim back to it is refused (`PrefixCache._fetch`)."""
 
     def search(self, model: object, tokens: list[int]) -> PromptTrieResult:
-        """`PromptTrie.search`'s result. mlx-lm's looks for the nearest longer entry depth first, copying
-        the path at every node (`extra + [tok]`): quadratic in how far below the prompt's shared part that
-        entry ends, 7 ms at 2,500 tokens on this project's CPU and seconds for an agent's 41k-token system
-        prompt, on the MLX thread. Here the same search keeps the path as links."""
+        """`PromptTrie.search`'s result, in time linear in the nodes visited: mlx-lm's copies the path at
+        every node of its look for a longer entry (docs/engine.md#prefix-reuse); here it is kept as links."""
         if model not in self._trie:
             return PromptTrieResult(model, None, None, None, 0)
         current = self._trie[model]
@@ -116,11 +113,10 @@ class _Trie(PromptTrie):
         return popped
 
     def below_floor(self, model: object, tokens: list[int]) -> int | None:
-        """Where `fetch_nearest_cache` would trim a longer entry back to fewer than all of `tokens` (the
-        prompt's first `floor` tokens, `PrefixCache._fetch`): the length of the longest entry `tokens`
-        begin with (0: none), else None. What `search(model, tokens)` tells of it, by one walk: `search`
-        also finds which longer entry, copying its path at every step (an agent's fetch spent 19 ms
-        there, 32 tokens into a 2,500-token system prompt, on an H200), and which one does not matter."""
+        """Where `fetch_nearest_cache` would trim a longer entry back to fewer than all of `tokens` (a
+        prompt's first tokens, `PrefixCache._fetch`): the length of the longest entry of 2 tokens or more
+        that `tokens` begin with (0: none), else None. What `search` tells of it, by one walk of `tokens`:
+        `search` also visits the trie below them to find which longer entry, which does not matter here."""
         node, shorter = self._trie.get(model), 0
         if node is None:
             return None
@@ -128,12 +124,12 @@ class _Trie(PromptTrie):
             if token not in node:
                 break
             node = node[token]
-            if "__value__" in node and i > 0:  # `search` takes a 1-token entry for a longer one
+            if "__value__" in node and i > 0:  # `search` never counts a 1-token entry as a shorter one
                 shorter = i + 1
         else:
             return None  # all of `tokens` shared: trimmed back to at least them, or an exact entry
         # The walk stopped inside `tokens`: a longer entry is trimmed back to it, unless one ends right there.
-        return shorter if i > 0 and "__value__" not in node and shorter < i else None
+        return shorter if shorter < i and "__value__" not in node else None
 
 
 class _EvictingTrie(_Trie):
