@@ -14,6 +14,10 @@
 #   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N;
 #   PROBE_GC_FREEZE=1  an engine, once built, moves every object there is to the GC's permanent generation
 #                      (gc.freeze), so that no collection walks the model's and the tokenizer's objects;
+#   PROBE_READY_BREAK=1  a prefill step ends after a call that left prompts at their last token, so that
+#                      they join and get their first token before the next call (as mlx-lm's batch
+#                      prefills one prompt batch a step), not after the budget's every call (session 13's
+#                      lead for the bursts' TTFT);
 #   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`; a no-op
 #                      since 7471b54 took `intake` out).
 import importlib.abc
@@ -153,11 +157,42 @@ def patch_engine(mod):
 def patch_prefill(mod):
     if os.environ.get("PROBE_NO_INTAKE"):
         mod.PrefillScheduler._take_arrivals = lambda self: None
+    if os.environ.get("PROBE_READY_BREAK"):
+        ready_break(mod)
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
     mod.run_chunk = timed("chunk", mod.run_chunk,
                           lambda m, p, size, s: {"size": size, "after": len(p.tokens)}, evals=True)
+
+
+def ready_break(mod):
+    """PROBE_READY_BREAK: a prompt joining after one of this step's calls makes the sizer ask for no more."""
+    S, Z = mod.PrefillScheduler, mod.ChunkSizer
+    calls = threading.local()
+    def noted(fn):
+        def call_w(*a, **k):
+            calls.made = True
+            return fn(*a, **k)
+        return call_w
+    mod.run_rows, mod.run_chunk = noted(mod.run_rows), noted(mod.run_chunk)
+    join, step, size = S._join, S._prefill_step, Z.size
+
+    def join_w(self, p):
+        if getattr(calls, "made", False):
+            self.sizer.probe_stop = True
+        return join(self, p)
+
+    def step_w(self):
+        calls.made, self.sizer.probe_stop = False, False
+        try:
+            return step(self)
+        finally:
+            calls.made, self.sizer.probe_stop = False, False
+
+    def size_w(self, *a, **k):
+        return 0 if getattr(self, "probe_stop", False) else size(self, *a, **k)
+    S._join, S._prefill_step, Z.size = join_w, step_w, size_w
 
 
 def patch_serve(mod):
