@@ -212,7 +212,7 @@ class PrefixCache:
 
     def _fetch(self, ids: list[int]) -> tuple[list | None, int]:
         # What `fetch_nearest_cache` would serve, as far as the floor can matter: a prompt that shares its
-        # first `floor` tokens with an entry is served as mlx-lm serves it, so a longer prompt's walk stops.
+        # first `MIN_PREFIX_TOKENS` tokens with an entry is served as mlx-lm serves it.
         shorter = self._lru._trie.below_floor(_MODEL_KEY, ids[: min(MIN_PREFIX_TOKENS, len(ids) - 1)])
         if shorter is not None:
             # The nearest entry shares only the prompt's first few tokens: not trimmed back to them.
