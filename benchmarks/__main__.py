@@ -166,6 +166,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " CPU)",
     )
     p.add_argument(
+        "--burst-rounds",
+        type=int,
+        default=1,
+        help="measured bursts per stream count and target, the targets in turn round by round (A B C A B C),"
+        " each round's prompts its own; the first round's tokens are checked, every round is timed and"
+        " reported against native-batch's in the same round (default 1)",
+    )
+    p.add_argument(
         "--part",
         "--only",
         dest="only",

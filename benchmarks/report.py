@@ -219,6 +219,7 @@ def concurrency_table(doc: dict) -> str:
                 f"{name:<16} {n:>7} {_f(f['aggregate_tps']):>16} {_f(t['median']):>15} {_f(t.get('p90')):>9}"
                 f" {rng:>19} {_med(f['latency_s'], '.2f'):>28}"
             )
+    lines += _burst_rounds(conc)
     for name, why in conc.get("skipped", {}).items():
         lines.append(f"{name:<16} skipped: {why}")
     ref = conc.get("reference", {})
@@ -235,6 +236,32 @@ def concurrency_table(doc: dict) -> str:
             cells.append(f"{n}: " + (f"DIFFERENT at token {bad[0]}" if bad else "same"))
         lines.append(f"{NATIVE_BATCH} first/last stream vs native one at a time: " + ", ".join(cells))
     return "\n".join(lines)
+
+
+def _burst_rounds(conc: dict) -> list[str]:
+    """With --burst-rounds: each target's rounds against native-batch's in the same round, paired (a ratio
+    per round), as median [min-max]; the table above shows the first round."""
+    rounds = conc.get("burst_rounds", 1)
+    targets = conc.get("targets", {})
+    if rounds < 2:
+        return []
+    lines = [f"over {rounds} rounds (the first checked, all timed), median [min-max] of each round's figure;"
+             f" x {NATIVE_BATCH}: paired by round"]
+    for n in conc.get("levels", []):
+        ref = targets.get(NATIVE_BATCH, {}).get(str(n), {}).get("rounds", [])
+        for name, levels in targets.items():
+            got = levels.get(str(n), {}).get("rounds", [])
+            if not got:
+                continue
+            line = (f"{name:<16} {n:>7} {span([g['aggregate_tps'] for g in got]):>24} tok/s, TTFT"
+                    f" {span([g['ttft_ms'] for g in got], '.0f')} ms")
+            pairs = list(zip(got, ref, strict=False))
+            if name != NATIVE_BATCH and pairs:
+                tps = span([g["aggregate_tps"] / b["aggregate_tps"] for g, b in pairs], ".2f")
+                ttft = span([g["ttft_ms"] / b["ttft_ms"] for g, b in pairs], ".2f")
+                line += f"; x {NATIVE_BATCH} {tps}, TTFT x {ttft}"
+            lines.append(line)
+    return lines
 
 
 def agent_table(doc: dict) -> str:

@@ -2,7 +2,10 @@
 
 Each stream count runs on mlxrt in-process (one worker and ``--workers``), over HTTP, the HTTP peers
 and native-batch (mlx-lm's own batching in-process, whose ids are the reference for mlxrt's streams),
-the targets in turn; each server is stopped once its last stream count has run.
+the targets in turn; each server is stopped once its last stream count has run. ``--burst-rounds N``
+measures N bursts per stream count, the targets in turn round by round, each round's prompts its own;
+the report pairs every round with native-batch's (one burst is one sample: runs of the same build on a
+GPU moved 0.70-1.24x native-batch at 16 streams, docs/benchmarks/gpu-h200-s13.md).
 """
 
 from __future__ import annotations
@@ -79,41 +82,59 @@ class Streams(EndToEnd):
         warm = self.args.burst_warmup
         warm = (0 if backend() == "cpu" else 1) if warm is None else warm
         out["burst_warmup"] = warm
+        rounds = max(1, getattr(self.args, "burst_rounds", 1))
+        out["burst_rounds"] = rounds
         fresh = k  # the next prompt index no one has been sent
+
+        def new_burst(n: int) -> list[list[int]]:  # prompts never sent before: no prefix-cache hit
+            nonlocal fresh
+            fresh += n
+            return [make_prompt(self.tokenizer, self.args.prompt_tokens, start=fresh - n + i)[0]
+                    for i in range(n)]
+
         for n in levels:  # level by level, the targets in turn: A B C at 1 stream, A B C at 4, ...
-            for name, s in targets:
-                if name in out["skipped"]:
-                    continue
-                self.say(f"concurrency {name}: {n} stream(s)")
-                try:
-                    for _ in range(warm):  # prompts never sent before: no prefix-cache hit
-                        burst = [make_prompt(self.tokenizer, self.args.prompt_tokens, start=fresh + i)[0]
-                                 for i in range(n)]
-                        fresh += n
-                        run_level(s, burst, self.args.gen_tokens)
-                    retried = connect_retries.value
-                    figures, runs = run_level(s, self.conc_prompts[n], self.args.gen_tokens)
-                    figures["connect_retries"] = connect_retries.value - retried
-                except Exception as exc:  # e.g. out of memory at 32 streams: the smaller counts stand
-                    out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
-                    self.say(f"skip concurrency {name}: {out['skipped'][name]}")
-                    self.release(name, s)
-                    continue
-                if n == levels[-1]:
-                    self.release(name, s)
-                if name == NATIVE_BATCH:
-                    self.conc_refs[n] = [r.tokens for r in runs]
-                    self.conc_ref_basis[n] = NATIVE_BATCH
-                elif getattr(s, "token_checked", True):
-                    self.concurrency_runs.setdefault(name, {})[n] = runs
-                out["targets"].setdefault(name, {})[str(n)] = figures
-                ttft = figures["ttft_ms"]
-                retries = figures["connect_retries"]
-                self.say(
-                    f"  {report._f(figures['aggregate_tps'])} tok/s aggregate, TTFT median "
-                    f"{report._f(ttft['median'])} ms, p90 {report._f(ttft['p90'])} ms"
-                    + (f", {retries} connection(s) retried after a reset" if retries else "")
-                )
+            # Round r > 0 (--burst-rounds): every target gets the same prompts of its own, after the others
+            # had their round r - 1 (A B C A B C); timed, not token-checked.
+            bursts = [self.conc_prompts[n]] + [new_burst(n) for _ in range(rounds - 1)]
+            for r, prompts in enumerate(bursts):
+                for name, s in targets:
+                    if name in out["skipped"]:
+                        continue
+                    of = f", round {r + 1}/{rounds}" if rounds > 1 else ""
+                    self.say(f"concurrency {name}: {n} stream(s){of}")
+                    try:
+                        for _ in range(warm if r == 0 else 0):
+                            run_level(s, new_burst(n), self.args.gen_tokens)
+                        retried = connect_retries.value
+                        figures, runs = run_level(s, prompts, self.args.gen_tokens)
+                        figures["connect_retries"] = connect_retries.value - retried
+                    except Exception as exc:  # e.g. out of memory at 32 streams: the smaller counts stand
+                        out["skipped"][name] = f"failed at {n} streams: {type(exc).__name__}: {exc}"
+                        self.say(f"skip concurrency {name}: {out['skipped'][name]}")
+                        self.release(name, s)
+                        continue
+                    if n == levels[-1] and r == rounds - 1:
+                        self.release(name, s)
+                    if r == 0:
+                        if name == NATIVE_BATCH:
+                            self.conc_refs[n] = [run.tokens for run in runs]
+                            self.conc_ref_basis[n] = NATIVE_BATCH
+                        elif getattr(s, "token_checked", True):
+                            self.concurrency_runs.setdefault(name, {})[n] = runs
+                        out["targets"].setdefault(name, {})[str(n)] = figures
+                    if rounds > 1:
+                        out["targets"][name][str(n)].setdefault("rounds", []).append({
+                            "aggregate_tps": figures["aggregate_tps"],
+                            "ttft_ms": figures["ttft_ms"]["median"],
+                            "latency_s": figures["latency_s"]["median"],
+                        })
+                    ttft = figures["ttft_ms"]
+                    retries = figures["connect_retries"]
+                    self.say(
+                        f"  {report._f(figures['aggregate_tps'])} tok/s aggregate, TTFT median "
+                        f"{report._f(ttft['median'])} ms, p90 {report._f(ttft['p90'])} ms"
+                        + (f", {retries} connection(s) retried after a reset" if retries else "")
+                    )
         self.concurrency_references()
         out["reference"] = {str(n): b for n, b in self.conc_ref_basis.items()}
         out["native_batch_vs_native"] = {str(n): c for n, c in self.batch_checks.items()}

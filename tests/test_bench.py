@@ -568,6 +568,55 @@ def test_concurrency_targets_stop_once_their_last_stream_count_ran():
     assert all(t.closed for t in (ring, cold, http, peer)) and not batch.closed and suite.live == {}
 
 
+def test_burst_rounds_take_turns_with_prompts_of_their_own_and_report_against_native_batch_by_round():
+    """--burst-rounds 3: each stream count's targets take turns round by round (A B A B A B), each round a
+    burst of prompts no round had; a server stops after its last round; the first round is the one checked,
+    and the report pairs each round with native-batch's."""
+    args = bench.parse_args(["--model", "synthetic:tiny", "--part", "concurrency", "--streams", "1,2",
+                             "--prompt-tokens", "40", "--gen-tokens", "2", "--burst-rounds", "3",
+                             "--burst-warmup", "0"])
+    suite = bench.Suite(args, bench.make_plan(args), lambda _msg: None)
+    suite.model_path, suite.tokenizer, suite.prompt = "m", _CharTokenizer(), [1, 2, 3, 4]
+    suite.prompts = [[1, 2, 3, 4]]
+    ran: list[tuple[str, int, tuple]] = []  # (target, streams, its prompts)
+
+    class Target:
+        closed = False
+
+        def __init__(self, name, speed):
+            self.name, self.speed = name, speed
+
+        def run(self, prompt, gen_tokens):
+            return run_of([1] * gen_tokens)
+
+        def run_batch(self, prompts, gen_tokens):
+            assert not self.closed  # stopped only after its last round
+            ran.append((self.name, len(prompts), tuple(map(tuple, prompts))))
+            runs = [self.run(p, gen_tokens) for p in prompts]
+            for r in runs:  # the same window for every burst: aggregate tok/s = speed
+                r.started_at, r.ended_at = 0.0, sum(x.n_tokens for x in runs) / self.speed
+            return runs
+
+        def close(self):
+            self.closed = True
+
+    ring, batch = Target("ring", 100.0), Target("batch", 200.0)
+    suite.live.update({"mlxrt-ring": ring})
+    suite.concurrency_targets = lambda: [("mlxrt-w1 (ring)", ring), (bench.NATIVE_BATCH, batch)]
+    out = suite.concurrency()
+    measured = [(name, n) for name, n, _ in ran]
+    assert measured == [("ring", 1), ("batch", 1)] * 3 + [("ring", 2), ("batch", 2)] * 3
+    for n in (1, 2):
+        rounds = [p for name, k, p in ran if k == n and name == "ring"]
+        assert rounds == [p for name, k, p in ran if k == n and name == "batch"]  # the same in a round
+        assert len({q for p in rounds for q in p}) == 3 * n  # none sent twice
+        assert rounds[0] == tuple(map(tuple, suite.conc_prompts[n]))  # the first round is the checked one
+    assert ring.closed and suite.live == {}
+    assert [len(out["targets"][t][n]["rounds"]) for t in out["targets"] for n in ("1", "2")] == [3, 3, 3, 3]
+    table = report.concurrency_table({"concurrency": out})
+    assert "over 3 rounds" in table and "x native-batch 0.50 [0.50-0.50]" in table
+
+
 def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
     """A server failing a warm-up round is skipped with what it answered; the others' rounds run."""
     # mlx_lm.server answers any exception in generation with a 404 and a JSON body.
