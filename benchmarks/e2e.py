@@ -40,8 +40,10 @@ def make_prompt(tokenizer: Any, n: int, *, start: int = 0) -> tuple[list[int], b
     """
     text = resources.files("mlxrt.synthetic").joinpath("corpus.txt").read_text(encoding="utf-8")
     paragraphs = [p for p in text.split("\n\n") if p.strip()]
-    ids: list[int] = []
-    i = start
+    cycle, i = divmod(start, len(paragraphs))
+    # Past the corpus's paragraphs a prompt is numbered, so that no start repeats another's prompt (a burst
+    # of --burst-rounds would otherwise hit the prefix cache).
+    ids: list[int] = list(tokenizer.encode(f"{cycle}. ", add_special_tokens=False)) if cycle else []
     while len(ids) < n:  # paragraph by paragraph: a tokenizer warns on texts past its model_max_length
         ids += list(tokenizer.encode(paragraphs[i % len(paragraphs)] + "\n\n", add_special_tokens=False))
         i += 1

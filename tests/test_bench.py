@@ -568,6 +568,12 @@ def test_concurrency_targets_stop_once_their_last_stream_count_ran():
     assert all(t.closed for t in (ring, cold, http, peer)) and not batch.closed and suite.live == {}
 
 
+def test_prompts_past_the_corpus_repeat_none_before():
+    """Burst rounds ask for more prompts than the corpus has paragraphs: each start is a prompt of its own."""
+    prompts = [tuple(e2e.make_prompt(_CharTokenizer(), 60, start=s)[0]) for s in range(400)]
+    assert len(set(prompts)) == 400
+
+
 def test_burst_rounds_take_turns_with_prompts_of_their_own_and_report_against_native_batch_by_round():
     """--burst-rounds 3: each stream count's targets take turns round by round (A B A B A B), each round a
     burst of prompts no round had; a server stops after its last round; the first round is the one checked,
