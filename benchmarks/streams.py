@@ -93,8 +93,8 @@ class Streams(EndToEnd):
                     for i in range(n)]
 
         for n in levels:  # level by level, the targets in turn: A B C at 1 stream, A B C at 4, ...
-            # Round r > 0 (--burst-rounds): every target gets the same prompts of its own, after the others
-            # had their round r - 1 (A B C A B C); timed, not token-checked.
+            # Round r > 0 (--burst-rounds): the same prompts for every target, new to all of them, once each
+            # has had round r - 1 (A B C A B C); timed, not token-checked.
             bursts = [self.conc_prompts[n]] + [new_burst(n) for _ in range(rounds - 1)]
             for r, prompts in enumerate(bursts):
                 for name, s in targets:
