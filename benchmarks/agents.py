@@ -37,8 +37,11 @@ stores).
 
 Greedy, ``max_tokens`` = R; mlxrt gets ``ignore_eos``; mlx_lm.server runs with
 its EOS ids cleared (`benchmarks.http_scenario`). Each reply's token count is
-recorded all the same. Rounds alternate the servers (A B A B ...), each round
-with its own system prompt so no round is served from an earlier one's cache.
+recorded all the same. Rounds alternate the servers, each round starting one
+server further along (A B C, B C A, C A B): no server always runs first (on an
+H200 the first of each round ran at 0.87x the next, the same engine with a trace
+probe loaded: docs/benchmarks/gpu-h200-s13.md). Each
+round has its own system prompt so no round is served from an earlier one's cache.
 """
 
 from __future__ import annotations
@@ -567,7 +570,7 @@ def _warm_rounds(live: dict[str, Any], sizes: Sizes, skipped: dict[str, str], sa
 def _rounds(live: dict[str, Any], sizes: Sizes, res: _Results, skipped: dict[str, str], say: Say) -> None:
     _warm_rounds(live, sizes, skipped, say)
     for r in range(sizes.rounds):
-        for name in list(live):  # A B A B ...: the servers alternate round by round
+        for name in turns(list(live), r):
             say(f"agent: round {r + 1}/{sizes.rounds} on {name}: {sizes.agents} agents x {sizes.turns} turns")
             done = _try_round(live, name, sizes, r, f"round {r + 1}", skipped, say)
             if done is None:
@@ -577,6 +580,12 @@ def _rounds(live: dict[str, Any], sizes: Sizes, res: _Results, skipped: dict[str
             res.walls[name].append(wall)
             res.finals.setdefault(name, finals)
             say(f"  {sum(x.reply_tokens for x in rs) / wall:.1f} tok/s aggregate over {wall:.1f} s")
+
+
+def turns(names: list, r: int) -> list:
+    """Round `r`'s order of `names`: each round starts one further along (A B C, B C A, C A B, A B C ...)."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def _uncached(

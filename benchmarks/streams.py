@@ -3,7 +3,8 @@
 Each stream count runs on mlxrt in-process (one worker and ``--workers``), over HTTP, the HTTP peers
 and native-batch (mlx-lm's own batching in-process, whose ids are the reference for mlxrt's streams),
 the targets in turn; each server is stopped once its last stream count has run. ``--burst-rounds N``
-measures N bursts per stream count, the targets in turn round by round, each round's prompts its own;
+measures N bursts per stream count, the targets in turn round by round (each round starting one
+further along), each round's prompts its own;
 the report pairs every round with native-batch's (one burst is one sample: runs of the same build on a
 GPU moved 0.70-1.24x native-batch at 16 streams, docs/benchmarks/gpu-h200-s13.md).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import report
+from .agents import turns
 from .concurrency import run_level
 from .e2e import WARMUP_TOKENS, EndToEnd, make_prompt
 from .env import backend
@@ -94,10 +96,10 @@ class Streams(EndToEnd):
 
         for n in levels:  # level by level, the targets in turn: A B C at 1 stream, A B C at 4, ...
             # Round r > 0 (--burst-rounds): the same prompts for every target, new to all of them, once each
-            # has had round r - 1 (A B C A B C); timed, not token-checked.
+            # has had round r - 1 (A B C, B C A, C A B); timed, not token-checked.
             bursts = [self.conc_prompts[n]] + [new_burst(n) for _ in range(rounds - 1)]
             for r, prompts in enumerate(bursts):
-                for name, s in targets:
+                for name, s in turns(targets, r):  # each round starts one target further along
                     if name in out["skipped"]:
                         continue
                     of = f", round {r + 1}/{rounds}" if rounds > 1 else ""

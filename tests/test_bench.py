@@ -575,7 +575,7 @@ def test_prompts_past_the_corpus_repeat_none_before():
 
 
 def test_burst_rounds_take_turns_with_prompts_of_their_own_and_report_against_native_batch_by_round():
-    """--burst-rounds 3: each stream count's targets take turns round by round (A B A B A B), each round a
+    """--burst-rounds 3: each stream count's targets take turns round by round (A B, B A, A B), each round a
     burst of prompts no round had; a server stops after its last round; the first round is the one checked,
     and the report pairs each round with native-batch's."""
     args = bench.parse_args(["--model", "synthetic:tiny", "--part", "concurrency", "--streams", "1,2",
@@ -611,7 +611,8 @@ def test_burst_rounds_take_turns_with_prompts_of_their_own_and_report_against_na
     suite.concurrency_targets = lambda: [("mlxrt-w1 (ring)", ring), (bench.NATIVE_BATCH, batch)]
     out = suite.concurrency()
     measured = [(name, n) for name, n, _ in ran]
-    assert measured == [("ring", 1), ("batch", 1)] * 3 + [("ring", 2), ("batch", 2)] * 3
+    turns = [("ring", 1), ("batch", 1), ("batch", 1), ("ring", 1), ("ring", 1), ("batch", 1)]
+    assert measured == turns + [(name, 2) for name, _ in turns]
     for n in (1, 2):
         rounds = [p for name, k, p in ran if k == n and name == "ring"]
         assert rounds == [p for name, k, p in ran if k == n and name == "batch"]  # the same in a round
@@ -676,6 +677,38 @@ def test_a_server_failing_its_warm_up_round_is_skipped_with_its_answer():
     assert skipped["bad"].startswith("failed in warm-up round 1: NotFoundError")
     assert "generation thread died" in skipped["bad"]
     assert len(res.replies["good"]) == 1 and res.walls["good"] == [0.1] and not res.replies["bad"]
+
+
+def test_agent_rounds_start_one_server_further_along_each_round():
+    """Three servers over four rounds run A B C, B C A, C A B, A B C: none always first; one that fails
+    leaves the others to take turns."""
+    order: list[tuple[int, str]] = []
+
+    class Server:
+        closed = False
+
+        def __init__(self, name, fail_in=None):
+            self.name, self.fail_in = name, fail_in
+
+        def run_agents(self, sizes, *, round_):
+            order.append((round_, self.name))
+            if round_ == self.fail_in:
+                raise RuntimeError("gone")
+            reply = agents.Reply(agent=0, turn=1, round=round_, ttft_ms=1.0, total_s=0.1, reply_tokens=2,
+                                 prompt_tokens=9, cached_tokens=0, finish_reason="length", text="hi")
+            return [reply], [[]], 0.1
+
+        def close(self):
+            self.closed = True
+
+    live = {n: Server(n) for n in "ABC"}
+    sizes = agents.Sizes(agents=1, turns=1, reply_tokens=2, system_words=5, rounds=4)
+    agents._rounds(live, sizes, agents._Results(list(live)), {}, lambda _msg: None)
+    assert "".join(n for _, n in order) == "ABC" "BCA" "CAB" "ABC"
+    order.clear()
+    live = {"A": Server("A"), "B": Server("B", fail_in=0), "C": Server("C")}
+    agents._rounds(live, sizes, agents._Results(list(live)), {}, lambda _msg: None)
+    assert "".join(n for _, n in order) == "ABC" "CA" "AC" "CA"
 
 
 def test_a_failing_agent_part_keeps_the_parts_measured_before(tmp_path, monkeypatch, capsys):
