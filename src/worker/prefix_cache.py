@@ -74,15 +74,9 @@ class _Trie(PromptTrie):
         every node of its look for a longer entry (docs/engine.md#prefix-reuse); here it is kept as links."""
         if model not in self._trie:
             return PromptTrieResult(model, None, None, None, 0)
-        current = self._trie[model]
-        if not tokens and "__value__" in current:
+        if not tokens and "__value__" in self._trie[model]:
             return PromptTrieResult(model, [], None, None, 0)
-        last_index, index = -1, 0
-        while index < len(tokens) and tokens[index] in current:
-            current = current[tokens[index]]
-            if "__value__" in current:
-                last_index = index
-            index += 1
+        current, index, last_index = self._walk(model, tokens)
         if last_index == len(tokens) - 1 >= 0:
             return PromptTrieResult(model, tokens, None, None, 0)
         shorter = tokens[: last_index + 1] if last_index > 0 else None
@@ -104,6 +98,17 @@ class _Trie(PromptTrie):
             longer = tokens[:index] + extra[::-1]
         return PromptTrieResult(model, None, shorter, longer, index)
 
+    def _walk(self, model: object, tokens: list[int]) -> tuple[dict, int, int]:
+        """How far `tokens` go down the trie: the node reached, the tokens walked, and the index of the last
+        walked token an entry ends at (-1: none)."""
+        current, index, last = self._trie[model], 0, -1
+        while index < len(tokens) and tokens[index] in current:
+            current = current[tokens[index]]
+            if "__value__" in current:
+                last = index
+            index += 1
+        return current, index, last
+
     def pop_prefixes(self, model: object, tokens: list[int]) -> list[tuple[int, object]]:
         popped, node = [], self._trie[model]
         for i, token in enumerate(tokens):
@@ -117,19 +122,14 @@ class _Trie(PromptTrie):
         prompt's first tokens, `PrefixCache._fetch`): the length of the longest entry of 2 tokens or more
         that `tokens` begin with (0: none), else None. What `search` tells of it, by one walk of `tokens`:
         `search` also visits the trie below them to find which longer entry, which does not matter here."""
-        node, shorter = self._trie.get(model), 0
-        if node is None:
+        if model not in self._trie:
             return None
-        for i, token in enumerate(tokens):
-            if token not in node:
-                break
-            node = node[token]
-            if "__value__" in node and i > 0:  # `search` never counts a 1-token entry as a shorter one
-                shorter = i + 1
-        else:
+        node, walked, last = self._walk(model, tokens)
+        shorter = last + 1 if last > 0 else 0  # `search` never counts a 1-token entry as a shorter one
+        if walked == len(tokens):
             return None  # all of `tokens` shared: trimmed back to at least them, or an exact entry
         # The walk stopped inside `tokens`: a longer entry is trimmed back to it, unless one ends right there.
-        return shorter if shorter < i and "__value__" not in node else None
+        return shorter if shorter < walked and "__value__" not in node else None
 
 
 class _EvictingTrie(_Trie):
