@@ -84,7 +84,7 @@ class Streams(EndToEnd):
         warm = self.args.burst_warmup
         warm = (0 if backend() == "cpu" else 1) if warm is None else warm
         out["burst_warmup"] = warm
-        rounds = max(1, getattr(self.args, "burst_rounds", 1))
+        rounds = max(1, self.args.burst_rounds)
         out["burst_rounds"] = rounds
         fresh = k  # the next prompt index no one has been sent
 
