@@ -7,9 +7,8 @@
 # with or without MLXRT_PROBE_TRACE: they needed it before, and lease 4's agent run, which set none, lost
 # its variant):
 #   PROBE_NO_CLEAR=1   mx.clear_cache does nothing (MLX keeps its freed buffers for reuse);
-#   PROBE_JOIN_ALL=1   an engine on the scheduler's path lets its BatchGenerator take every prompt waiting at
-#                      its last token in one call (prefill_batch_size = decode_concurrency), not 8 (the
-#                      engine's own way since session 13: a no-op there);
+#   PROBE_JOIN_ALL     (session 12: every prompt at its last token joined the batch in one call; the engine's
+#                      own way since session 13, so the variant is gone)
 #   PROBE_JOIN_PROMPTS=1  the way before session 13: the batch takes `prompt_concurrency` prompts a call;
 #   PROBE_MIN_PREFIX=N the prefix cache's shortest served prefix (prefix_cache.MIN_PREFIX_TOKENS) is N;
 #   PROBE_GC_FREEZE=1  an engine, once built, moves every object there is to the GC's permanent generation
@@ -18,8 +17,7 @@
 #                      they join and get their first token before the next call (as mlx-lm's batch
 #                      prefills one prompt batch a step), not after the budget's every call (session 13's
 #                      lead for the bursts' TTFT);
-#   PROBE_NO_INTAKE=1  a prefill step takes no request that arrived during it (as before `intake`; a no-op
-#                      since 7471b54 took `intake` out).
+#   PROBE_NO_INTAKE    (session 12: no request admitted mid-step; gone since 7471b54 took `intake` out).
 import importlib.abc
 import importlib.util
 import json
@@ -136,27 +134,9 @@ def patch_engine(mod):
             batch.prefill_batch_size = self.prefill.batch_prompts
             return batch
         E._new_batch = new_batch_p
-    if os.environ.get("PROBE_JOIN_ALL"):
-        new_batch = E._new_batch
-
-        def new_batch_w(self):
-            batch = new_batch(self)
-            if getattr(self, "scheduled", False):
-                batch.prefill_batch_size = self.decode_concurrency
-            return batch
-        E._new_batch = new_batch_w
-        init = E.__init__
-
-        def init_w(self, *a, **k):
-            init(self, *a, **k)
-            if self.scheduled:
-                self._batch.prefill_batch_size = self.decode_concurrency
-        E.__init__ = init_w
 
 
 def patch_prefill(mod):
-    if os.environ.get("PROBE_NO_INTAKE"):
-        mod.PrefillScheduler._take_arrivals = lambda self: None
     if os.environ.get("PROBE_READY_BREAK"):
         ready_break(mod)
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
