@@ -2,26 +2,15 @@
 # requests, the decode steps after its last first token until the next burst: their median (all, and with
 # the whole burst decoding), the batch step's median, and the GC pauses over 5 ms.
 #   python docs/benchmarks/data/probes-s13/decode.py TRACE_DIR
-import glob
-import json
 import os
 import statistics as st
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "probes-s12"))
+from show import bursts, traces  # noqa: E402
 
-def bursts(arrivals):
-    out, cur = [], []
-    for a in arrivals:
-        if cur and a["t"] - cur[-1]["t"] > 0.05:
-            out.append(cur)
-            cur = []
-        cur.append(a)
-    return out + [cur]
-
-
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "trace-*.jsonl"))):
-    ev = sorted((json.loads(x) for x in open(path)), key=lambda e: e["t"])
-    found = bursts([e for e in ev if e["e"] == "arrive"])
+for path, ev in traces(sys.argv[1]):
+    found = bursts(ev)
     starts = [b[0]["t"] for b in found if b] + [float("inf")]
     for i, b in enumerate(found):
         ids = {a["id"] for a in b}
