@@ -174,6 +174,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " reported against native-batch's in the same round (default 1)",
     )
     p.add_argument(
+        "--burst-mlxrt-args",
+        action="append",
+        type=shlex.split,
+        default=[],
+        metavar="ARGS",
+        help="also run the bursts on mlxrt serve started with ARGS added, in turn with the other targets in"
+        " the same rounds (an A/B of a serve flag or, as leading NAME=value words, of its environment);"
+        " once per variant",
+    )
+    p.add_argument(
         "--part",
         "--only",
         dest="only",
@@ -240,9 +250,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k in ("prompt_tokens", "gen_tokens", "rounds", "workers", *AGENT_FLAGS):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")  # a cache cap of 0 is not "off" everywhere
-    variants = [agents.variant_name(v) for v in args.agent_mlxrt_args]
-    if not all(args.agent_mlxrt_args) or len(set(variants)) < len(variants):
-        p.error("--agent-mlxrt-args: each variant names serve flags to add, and differs from the others")
+    for flag in ("agent_mlxrt_args", "burst_mlxrt_args"):
+        given = getattr(args, flag)
+        variants = [agents.variant_name(v) for v in given]
+        if not all(given) or len(set(variants)) < len(variants):
+            p.error(f"--{flag.replace('_', '-')}: each variant names serve flags to add, and differs from the"
+                    " others")
     return args
 
 
@@ -319,6 +332,7 @@ class Suite(Results):
                 "workers": a.workers,
                 "agent": asdict(agent_sizes(a)) if self.plan.agent else None,
                 "agent_mlxrt_args": a.agent_mlxrt_args if self.plan.agent else None,
+                "burst_mlxrt_args": a.burst_mlxrt_args if self.plan.concurrency else None,
                 "full": a.full,
             },
             "prompt": {

@@ -7,6 +7,9 @@ measures N bursts per stream count, the targets in turn round by round (each rou
 further along), each round's prompts its own;
 the report pairs every round with native-batch's (one burst is one sample: runs of the same build on a
 GPU moved 0.70-1.24x native-batch at 16 streams, docs/benchmarks/gpu-h200-s13.md).
+``--burst-mlxrt-args ARGS`` adds mlxrt serve started with ARGS (serve flags, or leading NAME=value words
+for its environment) as one more target, named as the agent part names its variants: an A/B in the
+same rounds.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import report
-from .agents import turns
+from .agents import turns, variant_name
 from .concurrency import run_level
 from .e2e import WARMUP_TOKENS, EndToEnd, make_prompt
 from .env import backend
@@ -51,7 +54,14 @@ class Streams(EndToEnd):
                 self.setup(name, lambda n=name: make_http(http[n], path))
             else:
                 self.skip(name, http_why or f"benchmarks.http_scenario has no {name}")
-        targets += [(n, self.live[n]) for n in ("mlxrt-http", *PEERS) if n in self.live]
+        variants = []  # --burst-mlxrt-args: mlxrt serve with flags or environment added, in the same rounds
+        for extra in self.args.burst_mlxrt_args:
+            name = variant_name(extra)
+            if "mlxrt-http" not in http:
+                self.skip(name, http_why or "benchmarks.http_scenario has no mlxrt-http")
+            elif self.setup(name, lambda e=extra: http["mlxrt-http"](path, extra_args=e)) is not None:
+                variants.append(name)
+        targets += [(n, self.live[n]) for n in ("mlxrt-http", *variants, *PEERS) if n in self.live]
         native = self.live.get("native")
         model = native.model if native is not None else None
         s = self.setup(NATIVE_BATCH, lambda: NativeBatch(path, model=model))
