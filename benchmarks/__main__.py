@@ -110,7 +110,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         e2e_peers = peer_names if peers_given and (plan.scenarios or listed_peers) else []
         plan.peers = list(dict.fromkeys(listed_peers + e2e_peers))
         plan.components = "components" in only
-        want_conc = "concurrency" in only or (args.concurrency not in (None, "none", ""))
+        want_conc = "concurrency" in only or (args.concurrency not in (None, "none", "")) or bool(
+            args.burst_mlxrt_args)
         plan.agent = want_agent or "agent" in only
     else:
         plan.scenarios = list(SCENARIOS)
@@ -180,8 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="ARGS",
         help="also run the bursts on mlxrt serve started with ARGS added, in turn with the other targets in"
-        " the same rounds (an A/B of a serve flag or, as leading NAME=value words, of its environment);"
-        " once per variant",
+        " the same rounds (an A/B of a serve flag or, as leading NAME=value words, of its environment, e.g."
+        " --burst-mlxrt-args=--prompt-concurrency=32); once per variant",
     )
     p.add_argument(
         "--part",
@@ -254,8 +255,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         given = getattr(args, flag)
         variants = [agents.variant_name(v) for v in given]
         if not all(given) or len(set(variants)) < len(variants):
-            p.error(f"--{flag.replace('_', '-')}: each variant names serve flags to add, and differs from the"
-                    " others")
+            p.error(f"--{flag.replace('_', '-')}: each variant names serve flags or environment to add, and"
+                    " differs from the others")
+    if args.burst_mlxrt_args and args.concurrency in ("none", ""):
+        p.error("--burst-mlxrt-args: its variants run in the concurrency part, which --streams none drops")
     return args
 
 

@@ -97,7 +97,8 @@ class Sizes:
 
 
 def variant_name(args: list[str]) -> str:
-    """The agent part's name for mlxrt serve started with `args` added (quoted as a shell would)."""
+    """The name of mlxrt serve started with `args` added (quoted as a shell would), a variant of the agent
+    part's or the bursts'."""
     return shlex.join([SERVERS[0], *args])
 
 

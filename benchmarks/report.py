@@ -197,8 +197,9 @@ def concurrency_table(doc: dict) -> str:
     conc = doc.get("concurrency", {})
     if conc.get("not_run"):
         return f"concurrency: not run ({conc['not_run']})"
+    w = _name_width(conc)
     head = (
-        f"{'target':<16} {'streams':>7} {'aggregate tok/s':>16} {'TTFT ms median':>15} {'p90':>9}"
+        f"{'target':<{w}} {'streams':>7} {'aggregate tok/s':>16} {'TTFT ms median':>15} {'p90':>9}"
         f" {'[min-max]':>19} {'latency s median [min-max]':>28}"
     )
     lines = [
@@ -216,12 +217,12 @@ def concurrency_table(doc: dict) -> str:
             t = f["ttft_ms"]
             rng = f"[{_f(t['min'])}-{_f(t['max'])}]" if t.get("n", 0) > 1 else ""
             lines.append(
-                f"{name:<16} {n:>7} {_f(f['aggregate_tps']):>16} {_f(t['median']):>15} {_f(t.get('p90')):>9}"
+                f"{name:<{w}} {n:>7} {_f(f['aggregate_tps']):>16} {_f(t['median']):>15} {_f(t.get('p90')):>9}"
                 f" {rng:>19} {_med(f['latency_s'], '.2f'):>28}"
             )
     lines += _burst_rounds(conc)
     for name, why in conc.get("skipped", {}).items():
-        lines.append(f"{name:<16} skipped: {why}")
+        lines.append(f"{name:<{w}} skipped: {why}")
     ref = conc.get("reference", {})
     if ref:
         lines.append(
@@ -238,6 +239,12 @@ def concurrency_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _name_width(conc: dict) -> int:
+    """The concurrency lines' name column: as wide as the longest target (a --burst-mlxrt-args variant's
+    name carries its flags)."""
+    return max([16, *map(len, conc.get("targets", {})), *map(len, conc.get("skipped", {}))])
+
+
 def _burst_rounds(conc: dict) -> list[str]:
     """With --burst-rounds: each target's rounds against native-batch's in the same round, paired (a ratio
     per round), as median [min-max]; the table above shows the first round."""
@@ -245,6 +252,7 @@ def _burst_rounds(conc: dict) -> list[str]:
     targets = conc.get("targets", {})
     if rounds < 2:
         return []
+    w = _name_width(conc)
     lines = [f"over {rounds} rounds (the first checked, all timed), median [min-max] of each round's figure;"
              f" x {NATIVE_BATCH}: paired by round"]
     for n in conc.get("levels", []):
@@ -253,7 +261,7 @@ def _burst_rounds(conc: dict) -> list[str]:
             got = levels.get(str(n), {}).get("rounds", [])
             if not got:
                 continue
-            line = (f"{name:<16} {n:>7} {span([g['aggregate_tps'] for g in got]):>24} tok/s, TTFT"
+            line = (f"{name:<{w}} {n:>7} {span([g['aggregate_tps'] for g in got]):>24} tok/s, TTFT"
                     f" {span([g['ttft_ms'] for g in got], '.0f')} ms")
             pairs = list(zip(got, ref, strict=False))
             if name != NATIVE_BATCH and pairs:

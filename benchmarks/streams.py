@@ -32,7 +32,8 @@ class Streams(EndToEnd):
     """The concurrency part on top of the end-to-end state: targets, bursts, reference ids."""
 
     def concurrency_targets(self) -> list[tuple[str, Any]]:
-        """mlxrt in-process (1 and --workers workers), over HTTP, the peers, and native-batch."""
+        """mlxrt in-process (1 and --workers workers), over HTTP (as is, and with each --burst-mlxrt-args
+        variant), the peers, and native-batch."""
         path = self.model_path
         assert path is not None
         targets: list[tuple[str, Any]] = []

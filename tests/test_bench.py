@@ -205,8 +205,11 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
     ab = ["--part", "components", "--agent-mlxrt-args", "--gather-ms 0"]
     assert bench.make_plan(bench.parse_args(ab)).agent  # a variant asks for the agent part
     assert bench.parse_args(["--agent-mlxrt-args=--gather-ms 0"]).agent_mlxrt_args == [["--gather-ms", "0"]]
+    burst = bench.make_plan(bench.parse_args(["--part", "agent", "--burst-mlxrt-args=A=1"]))
+    assert burst.agent and burst.concurrency  # a burst variant asks for the concurrency part
     for bad in (["--agent-mlxrt-args="], ["--agent-mlxrt-args=-x 1", "--agent-mlxrt-args=-x  1"],
-                ["--burst-mlxrt-args=A=1", "--burst-mlxrt-args=A=1 "]):
+                ["--burst-mlxrt-args=A=1", "--burst-mlxrt-args=A=1 "],
+                ["--streams", "none", "--burst-mlxrt-args=A=1"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)  # no flags, or the same variant twice
     quoted = bench.parse_args(["--agent-mlxrt-args=-x '1 2'", "--agent-mlxrt-args=-x 1 2"]).agent_mlxrt_args
@@ -772,11 +775,13 @@ def test_a_burst_variant_takes_its_turn_in_the_rounds_and_is_token_checked(tmp_p
     start is skipped naming why, and the others run."""
     out_json = tmp_path / "bursts.json"
     variant, bad = "mlxrt-http MLXRT_PREFILL_BUDGET_MS=0 --gather-ms=0", "mlxrt-http --no-such-flag"
+    bad_env = "mlxrt-http MLXRT_PREFILL_BUDGET_MS=-1"  # its environment reaches it: the server refuses it
     cmd = [sys.executable, "-m", "benchmarks", "--model", "synthetic:tiny", "--part",
            "concurrency,native,mlxrt-http", "--peers", "none", "--workers", "1", "--streams", "2",
            "--prompt-tokens", "40", "--gen-tokens", "4", "--rounds", "1", "--burst-rounds", "2", "--no-plot",
            "--json", str(out_json),
-           "--burst-mlxrt-args=MLXRT_PREFILL_BUDGET_MS=0 --gather-ms=0", "--burst-mlxrt-args=--no-such-flag"]
+           "--burst-mlxrt-args=MLXRT_PREFILL_BUDGET_MS=-1", "--burst-mlxrt-args=--no-such-flag",
+           "--burst-mlxrt-args=MLXRT_PREFILL_BUDGET_MS=0 --gather-ms=0"]  # those that fail first
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out_json.read_text())
@@ -784,9 +789,9 @@ def test_a_burst_variant_takes_its_turn_in_the_rounds_and_is_token_checked(tmp_p
     assert set(targets) == {"mlxrt-w1", "mlxrt-http", variant, "native-batch"}, doc["concurrency"]["skipped"]
     assert len(targets[variant]["2"]["rounds"]) == 2 and targets[variant]["2"]["aggregate_tps"] > 0
     assert f"{variant} under concurrency" in doc["gate"]["checked"] and doc["gate"]["passed"]
-    assert "--no-such-flag" in doc["skipped"][bad]
-    assert doc["config"]["burst_mlxrt_args"] == [["MLXRT_PREFILL_BUDGET_MS=0", "--gather-ms=0"],
-                                                 ["--no-such-flag"]]
+    assert "--no-such-flag" in doc["skipped"][bad] and "--prefill-budget-ms=-1" in doc["skipped"][bad_env]
+    assert doc["config"]["burst_mlxrt_args"] == [["MLXRT_PREFILL_BUDGET_MS=-1"], ["--no-such-flag"],
+                                                 ["MLXRT_PREFILL_BUDGET_MS=0", "--gather-ms=0"]]
     said = [line.split("] ", 1)[1] for line in proc.stderr.splitlines() if f"concurrency {variant}:" in line]
     assert said == [f"concurrency {variant}: 2 stream(s), round {r}/2" for r in (1, 2)]
     assert any(line.startswith(variant) and "x native-batch" in line for line in proc.stdout.splitlines())
