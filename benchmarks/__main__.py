@@ -110,8 +110,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         e2e_peers = peer_names if peers_given and (plan.scenarios or listed_peers) else []
         plan.peers = list(dict.fromkeys(listed_peers + e2e_peers))
         plan.components = "components" in only
-        want_conc = "concurrency" in only or (args.concurrency not in (None, "none", "")) or bool(
-            args.burst_mlxrt_args)
+        want_conc = ("concurrency" in only or args.concurrency not in (None, "none", "")
+                     or bool(args.burst_mlxrt_args))  # a burst variant asks for the bursts
         plan.agent = want_agent or "agent" in only
     else:
         plan.scenarios = list(SCENARIOS)

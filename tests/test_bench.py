@@ -211,7 +211,7 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
                 ["--burst-mlxrt-args=A=1", "--burst-mlxrt-args=A=1 "],
                 ["--streams", "none", "--burst-mlxrt-args=A=1"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)  # no flags, or the same variant twice
+            bench.parse_args(bad)  # no flags, the same variant twice, or a burst variant with no bursts
     quoted = bench.parse_args(["--agent-mlxrt-args=-x '1 2'", "--agent-mlxrt-args=-x 1 2"]).agent_mlxrt_args
     names = [agents.variant_name(v) for v in quoted]  # two servers, two names
     assert names == ["mlxrt-http -x '1 2'", "mlxrt-http -x 1 2"]
