@@ -17,7 +17,13 @@
 #                      they join and get their first token before the next call (as mlx-lm's batch
 #                      prefills one prompt batch a step), not after the budget's every call (session 13's
 #                      lead for the bursts' TTFT);
-#   PROBE_NO_INTAKE    (session 12: no request admitted mid-step; gone since 7471b54 took `intake` out).
+#   PROBE_NO_INTAKE    (session 12: no request admitted mid-step; gone since 7471b54 took `intake` out);
+#   PROBE_ROW_VIEWS=1  (session 14) the scheduler's batched call hands a row that joins the batch at once on
+#                      as a view of the call's arrays, not as mlx-lm's extract (a copy per layer and row): the
+#                      batch's merge is then its only copy (probes-s14/extract.py). Rows that go on prefilling
+#                      are extracted as before. A view holds the whole call's arrays, and a deep copy of it
+#                      shares them: fit for an A/B on KVCache models with no checkpoint at the last token, not
+#                      for the engine as it stands.
 import importlib.abc
 import importlib.util
 import json
@@ -139,11 +145,53 @@ def patch_engine(mod):
 def patch_prefill(mod):
     if os.environ.get("PROBE_READY_BREAK"):
         ready_break(mod)
+    if os.environ.get("PROBE_ROW_VIEWS"):
+        row_views(mod)
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
     mod.run_chunk = timed("chunk", mod.run_chunk,
                           lambda m, p, size, s: {"size": size, "after": len(p.tokens)}, evals=True)
+
+
+def row_views(mod):
+    """PROBE_ROW_VIEWS: `run_rows` as in prefill.py, a joining row's KVCache layers viewed, not extracted."""
+    import mlx.core as mx
+    from mlx_lm.generate import PromptProcessingBatch
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    def split(batch_cache, rows):
+        caches = [[] for _ in rows]
+        for c in batch_cache:
+            pads = c.left_padding.tolist() if type(c) is BatchKVCache else None
+            for i, p in enumerate(rows):
+                if pads is None or not p.ready:
+                    caches[i].append(c.extract(i))
+                    continue
+                kv = KVCache()
+                kv.keys = c.keys[i : i + 1, :, pads[i] : c._idx]
+                kv.values = c.values[i : i + 1, :, pads[i] : c._idx]
+                kv.offset = kv.keys.shape[2]
+                caches[i].append(kv)
+        return caches
+
+    def run_rows(model, rows, stream):
+        chunks = [p.segments.pop(0) for p in rows]
+        t0 = time.perf_counter()
+        with mx.stream(stream):
+            batch = PromptProcessingBatch(model, list(range(len(rows))), [p.cache for p in rows],
+                                          prefill_step_size=max(len(c) for c in chunks))
+            batch.prompt(chunks)
+            caches = split(batch.prompt_cache, rows)
+            mx.eval([c.state for cache in caches for c in cache])
+        seconds = time.perf_counter() - t0
+        mx.clear_cache()
+        for p, chunk, cache in zip(rows, chunks, caches, strict=True):
+            p.cache = cache
+            p.tokens += chunk
+            p.seq.prefill_s += seconds
+        return sum(len(c) for c in chunks), seconds
+    mod.run_rows = run_rows
 
 
 def ready_break(mod):
