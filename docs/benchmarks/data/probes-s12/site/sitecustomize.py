@@ -155,43 +155,35 @@ def patch_prefill(mod):
 
 
 def row_views(mod):
-    """PROBE_ROW_VIEWS: `run_rows` as in prefill.py, a joining row's KVCache layers viewed, not extracted."""
-    import mlx.core as mx
-    from mlx_lm.generate import PromptProcessingBatch
+    """PROBE_ROW_VIEWS: prefill.py's own `run_rows`, its batch's `extract_cache` giving a row that joins at
+    once its KVCache layers as views of the call's arrays, not copies."""
     from mlx_lm.models.cache import BatchKVCache, KVCache
+    joining = threading.local()
 
-    def split(batch_cache, rows):
-        caches = [[] for _ in rows]
-        for c in batch_cache:
-            pads = c.left_padding.tolist() if type(c) is BatchKVCache else None
-            for i, p in enumerate(rows):
-                if pads is None or not p.ready:
-                    caches[i].append(c.extract(i))
+    class ViewingBatch(mod.PromptProcessingBatch):
+        def extract_cache(self, idx):
+            if not joining.rows[idx]:
+                return super().extract_cache(idx)
+            out = []
+            for c in self.prompt_cache:
+                if type(c) is not BatchKVCache:
+                    out.append(c.extract(idx))
                     continue
+                pad = c.left_padding.tolist()[idx]
                 kv = KVCache()
-                kv.keys = c.keys[i : i + 1, :, pads[i] : c._idx]
-                kv.values = c.values[i : i + 1, :, pads[i] : c._idx]
+                kv.keys = c.keys[idx : idx + 1, :, pad : c._idx]
+                kv.values = c.values[idx : idx + 1, :, pad : c._idx]
                 kv.offset = kv.keys.shape[2]
-                caches[i].append(kv)
-        return caches
+                out.append(kv)
+            return out
 
-    def run_rows(model, rows, stream):
-        chunks = [p.segments.pop(0) for p in rows]
-        t0 = time.perf_counter()
-        with mx.stream(stream):
-            batch = PromptProcessingBatch(model, list(range(len(rows))), [p.cache for p in rows],
-                                          prefill_step_size=max(len(c) for c in chunks))
-            batch.prompt(chunks)
-            caches = split(batch.prompt_cache, rows)
-            mx.eval([c.state for cache in caches for c in cache])
-        seconds = time.perf_counter() - t0
-        mx.clear_cache()
-        for p, chunk, cache in zip(rows, chunks, caches, strict=True):
-            p.cache = cache
-            p.tokens += chunk
-            p.seq.prefill_s += seconds
-        return sum(len(c) for c in chunks), seconds
-    mod.run_rows = run_rows
+    run_rows = mod.run_rows
+
+    def run_rows_w(model, rows, stream):
+        # A row joins at once when, after this call's segment, only its prompt's last token is left.
+        joining.rows = [len(p.segments) == 2 and len(p.segments[1]) == 1 for p in rows]
+        return run_rows(model, rows, stream)
+    mod.PromptProcessingBatch, mod.run_rows = ViewingBatch, run_rows_w
 
 
 def ready_break(mod):
