@@ -59,7 +59,6 @@ fails (a rank whose step failed can no longer be trusted to agree with the other
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -408,7 +407,7 @@ class Engine(PromptBuilder, PrefillScheduler):
     def _seed_prefix_cache(self) -> None:
         if self._pinned is not None:
             tokens, cache = self._pinned
-            self.prefix_cache.insert(tokens, copy.deepcopy(cache), "system")
+            self.prefix_cache.insert(tokens, cache, "system")
 
     def warmup(self, tokens: int) -> None:
         """Compile kernels before the first request: one sequence, a long prompt, a full decode batch.
@@ -653,9 +652,9 @@ class Engine(PromptBuilder, PrefillScheduler):
         try:
             if solo.prefilling:
                 if self._solo_prefill(solo) and seq.checkpoint_kinds:
-                    kind = seq.checkpoint_kinds.pop()  # the cache goes on: keep a copy
+                    kind = seq.checkpoint_kinds.pop()  # the cache goes on: the prefix cache copies it
                     if kind is not None:
-                        self.prefix_cache.insert(list(solo.tokens), copy.deepcopy(solo.cache), kind)
+                        self.prefix_cache.insert(list(solo.tokens), solo.cache, kind)
                 return
             token, mlx_reason = solo.decode(lookahead=lookahead)
             if seq.logprobs is not None:

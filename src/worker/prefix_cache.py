@@ -24,7 +24,9 @@ what the engine needs around it:
   pipeline parallelism, yet every rank must keep and evict the same entries,
   or their prefills (and their collectives) would part ways.
 
-Entries are deep copies: a reused cache is extended in place by the batch.
+Entries hold arrays of their own (`kvcache.owned`, copied as they come in): a cache taken out of a batch
+may be a view of the batch's arrays, which would keep them all alive while counting its own bytes; a
+served entry is a deep copy, which the batch extends without touching the entry.
 
 Under it, optionally, a disk tier (`disk_cache.DiskTier`): every entry inserted
 is also written to disk in the background while the writer keeps up, an entry
@@ -52,6 +54,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..ipc.protocol import DiskCacheReport, EngineReport
+from .kvcache import owned
 
 if TYPE_CHECKING:
     from .disk_cache import DiskTier
@@ -281,12 +284,13 @@ class PrefixCache:
             self.prefill_tps = tokens_per_s if rate is None else 0.8 * rate + 0.2 * tokens_per_s
 
     def insert(self, tokens: list[int], cache: list, kind: str = "assistant") -> None:
-        """Keep `cache`, which holds exactly `tokens`; evict to stay under the byte cap.
+        """Keep a copy of `cache` (`owned`), which holds exactly `tokens`; evict to stay under the byte cap.
 
         kind: "system", "user" or "assistant": under pressure `LRUPromptCache`
         evicts assistant entries first and system prompts last.
         """
         if self.enabled and tokens and cache:
+            cache = owned(cache)
             self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
             if self._total is not None:
                 self._evict(self._total)
