@@ -545,6 +545,36 @@ def test_a_batched_prefill_that_fails_fails_its_rows_alone(tiny_model, alone):
     assert e.prefill_batched - batched == 3 and all(rec.ids[r.id] == alone(r) for r in after)
 
 
+@pytest.mark.parametrize("family", ["tiny", "tiny-gemma3", "tiny-qwen3.5"])
+def test_a_joining_rows_cache_is_mlx_lms_row_without_the_copy(family):
+    """`row_caches` after one batched call of three uneven rows, the middle one going on: every row
+    holds, layer by layer, what mlx-lm's `extract_cache` gives (its left padding cut off), as caches of
+    its own kinds, not the batch's layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.generate import PromptProcessingBatch
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlxrt.synthetic.build import ensure_model
+    from mlxrt.worker.prefill import row_caches
+
+    model = Engine(str(ensure_model(family)), options=EngineOptions(prompt_cache_bytes=0)).model
+    chunks = [short_prompt(1)[:5], short_prompt(2)[:9], short_prompt(3)[:3]]
+    batch = PromptProcessingBatch(model, [0, 1, 2], [make_prompt_cache(model) for _ in chunks],
+                                  prefill_step_size=9)
+    batch.prompt(chunks)
+    seen = row_caches(batch, [True, False, True])
+    for i, row in enumerate(seen):
+        want = batch.extract_cache(i)
+        assert [type(c) for c in row] == [type(c) for c in want]
+        assert not any(c is b for c in row for b in batch.prompt_cache)
+        for c, w in zip(row, want, strict=True):
+            got, exp = tree_flatten(c.state), tree_flatten(w.state)
+            assert [k for k, _ in got] == [k for k, _ in exp]
+            for (_, x), (_, y) in zip(got, exp, strict=True):
+                assert mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y
+        assert all(c.offset == len(chunks[i]) for c in row if type(c) is KVCache)
+
+
 class FailingBatch:
     """The engine's model, a prefill call of several prompts raising."""
 

@@ -18,12 +18,12 @@
 #                      prefills one prompt batch a step), not after the budget's every call (session 13's
 #                      lead for the bursts' TTFT);
 #   PROBE_NO_INTAKE    (session 12: no request admitted mid-step; gone since 7471b54 took `intake` out);
-#   PROBE_ROW_VIEWS=1  (session 14) the scheduler's batched call hands a row that joins the batch at once on
-#                      as a view of the call's arrays, not as mlx-lm's extract (a copy per layer and row): the
-#                      batch's merge is then its only copy (probes-s14/extract.py). Rows that go on prefilling
-#                      are extracted as before. A view holds the whole call's arrays, and a deep copy of it
-#                      shares them: fit for an A/B on KVCache models with no checkpoint at the last token, not
-#                      for the engine as it stands.
+#   PROBE_ROW_VIEWS    (session 14: a batched call's joining rows as views of its arrays; the engine's own way
+#                      since session 15, `prefill.row_caches`, so the variant is gone);
+#   PROBE_ROW_COPIES=1 (session 15) the way before it: every row of a batched call is mlx-lm's extract (a copy
+#                      per layer and row), then the batch's merge copies it again;
+#   PROBE_NO_OWNED=1   (session 15) the prefix cache keeps a deep copy of what it is given (shares its arrays,
+#                      views of a batch's included), not `kvcache.owned`'s copy, as before session 15.
 import importlib.abc
 import importlib.util
 import json
@@ -145,45 +145,13 @@ def patch_engine(mod):
 def patch_prefill(mod):
     if os.environ.get("PROBE_READY_BREAK"):
         ready_break(mod)
-    if os.environ.get("PROBE_ROW_VIEWS"):
-        row_views(mod)
+    if os.environ.get("PROBE_ROW_COPIES"):
+        mod.row_caches = lambda batch, joining: [batch.extract_cache(i) for i in range(len(joining))]
     mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
     mod.run_chunk = timed("chunk", mod.run_chunk,
                           lambda m, p, size, s: {"size": size, "after": len(p.tokens)}, evals=True)
-
-
-def row_views(mod):
-    """PROBE_ROW_VIEWS: prefill.py's own `run_rows`, its batch's `extract_cache` giving a row that joins at
-    once its KVCache layers as views of the call's arrays, not copies."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-    joining = threading.local()
-
-    class ViewingBatch(mod.PromptProcessingBatch):
-        def extract_cache(self, idx):
-            if not joining.rows[idx]:
-                return super().extract_cache(idx)
-            out = []
-            for c in self.prompt_cache:
-                if type(c) is not BatchKVCache:
-                    out.append(c.extract(idx))
-                    continue
-                pad = c.left_padding.tolist()[idx]
-                kv = KVCache()
-                kv.keys = c.keys[idx : idx + 1, :, pad : c._idx]
-                kv.values = c.values[idx : idx + 1, :, pad : c._idx]
-                kv.offset = kv.keys.shape[2]
-                out.append(kv)
-            return out
-
-    run_rows = mod.run_rows
-
-    def run_rows_w(model, rows, stream):
-        # A row joins at once when, after this call's segment, only its prompt's last token is left.
-        joining.rows = [len(p.segments) == 2 and len(p.segments[1]) == 1 for p in rows]
-        return run_rows(model, rows, stream)
-    mod.PromptProcessingBatch, mod.run_rows = ViewingBatch, run_rows_w
 
 
 def ready_break(mod):
@@ -244,6 +212,9 @@ def patch_generate(mod):
 
 def patch_prefix_cache(mod):
     mod.PrefixCache.fetch = timed("fetch", mod.PrefixCache.fetch)
+    if os.environ.get("PROBE_NO_OWNED"):
+        import copy
+        mod.owned = copy.deepcopy
     if os.environ.get("PROBE_MIN_PREFIX"):
         mod.MIN_PREFIX_TOKENS = int(os.environ["PROBE_MIN_PREFIX"])
 
