@@ -185,7 +185,8 @@ def default_disk_cache_dir() -> str:
 #: prefill_budget_ms, prompt_cache_disk_bytes and prompt_cache_warm_bytes are mlxrt's own.
 ENGINE_FLAGS = {
     "decode_concurrency": "most sequences decoded together per worker",
-    "prompt_concurrency": "most prompts prefilled together per worker",
+    "prompt_concurrency": "most prompts prefilled together per worker (auto: as many as decode_concurrency "
+                          "under the prefill budget, else 8)",
     "prefill_step_size": "prompt tokens per prefill step",
     "prefill_budget_ms": "ms of prefill between two decode steps: a long prompt is prefilled in chunks "
                          "sized to it on this machine, at most prefill_step_size tokens (0: mlx-lm's own "

@@ -262,6 +262,46 @@ def test_prefix_cache_stays_under_its_byte_cap():
     assert engine.report().prompt_cache_entries >= 1
 
 
+class Counted:
+    """The engine's model, noting the tokens (rows times columns) of each call the scheduler makes."""
+
+    def __init__(self, model) -> None:
+        self._model, self.tokens = model, []
+
+    def __call__(self, x, cache=None, **kw):
+        self.tokens.append(x.shape[0] * x.shape[1])
+        return self._model(x, cache=cache, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_moe_batched_prefill_calls_fit_cudas_grid_under_the_scheduler(monkeypatch):
+    """On CUDA (pretended, its grid made 2,048 pairs: 1,024 tokens of a top-2 MoE), the scheduler's
+    batched calls of short prompts carry at most 1,024 tokens, padding counted, however many rows the
+    budget would take; each keeps the uncut engine's ids."""
+    from mlxrt.synthetic.build import ensure_model
+    from mlxrt.worker import engine as engine_module
+    from mlxrt.worker import limits
+
+    moe = str(ensure_model("tiny-qwen3-moe"))
+    opts = EngineOptions(prefill_budget_ms=60_000, prompt_cache_bytes=0, decode_concurrency=32)
+    burst = [gen(i, ids=[(5 * i + 3 * j) % 200 + 5 for j in range(100)], max_tokens=3) for i in range(16)]
+    warm = [gen(100 + i, ids=[(7 * i + j) % 200 + 5 for j in range(20)], max_tokens=1) for i in range(2)]
+    monkeypatch.setattr(limits, "on_cuda", lambda: False)
+    want = run_batch(Engine(moe, options=opts), burst).ids
+    monkeypatch.setattr(limits, "on_cuda", lambda: True)
+    monkeypatch.setattr(engine_module, "on_cuda", lambda: True)  # the scheduler's chunks on the grid
+    monkeypatch.setattr(limits, "CUDA_GRID_LIMIT", 2048)
+    cut = Engine(moe, options=opts)
+    assert cut.prefill.call_tokens == 1024 and cut.prefill.batch_prompts == 16 and cut.sizer.grid
+    run_batch(cut, warm)
+    cut.model = Counted(cut.model)
+    got = run_batch(cut, burst)
+    assert not got.errors and got.ids == want
+    assert max(cut.model.tokens) <= 1024 and cut.prefill_batched > 0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_cache_entries_hold_only_the_bytes_they_count(family):
     """Eight streams at once, their rows taken out of batched prefills and the decode batch: dropping the
@@ -488,12 +528,12 @@ def test_moe_prefill_steps_fit_cudas_grid(monkeypatch):
     assert limits.prefill_token_cap(cut.model, {"num_experts_per_tok": 2}) == 32767
     assert limits.prefill_token_cap(cut.model, {}) == 65535 // 8  # experts under an unknown name
     assert limits.prefill_token_cap(Engine(dense, options=opts).model, {}) is None  # no experts: no limit
-    assert cut.prefill == limits.PrefillSteps(1024, 448, 64)  # 32767 // 64 = 511, in 64s
+    assert cut.prefill == limits.PrefillSteps(1024, 448, 64, 32767)  # 32767 // 64 = 511, in 64s
     assert cut._batch.prefill_step_size == 448 and 64 * 448 * 2 <= limits.CUDA_GRID_LIMIT
     lone = Engine(moe, options=EngineOptions(prompt_concurrency=1, prefill_step_size=40000))
-    assert lone.prefill == limits.PrefillSteps(32767, 32704, 1)
-    many = limits.prefill_steps(EngineOptions(prompt_concurrency=600), 8191, "m")  # under 64 tokens a row
-    assert many == limits.PrefillSteps(2048, 64, 127) and many.batch * many.batch_prompts <= 8191
+    assert lone.prefill == limits.PrefillSteps(32767, 32704, 1, 32767)
+    many = limits.prefill_steps(2048, 600, 8191, "m")  # under 64 tokens a row
+    assert many == limits.PrefillSteps(2048, 64, 127, 8191) and many.batch * many.batch_prompts <= 8191
     # prompts of two steps when cut, all through the batch (single_stream off)
     reqs = [gen(i, ids=[(7 * i + 3 * j) % 200 + 5 for j in range(470 + i)], max_tokens=8) for i in range(3)]
     got = run_batch(cut, reqs)

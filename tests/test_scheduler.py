@@ -13,7 +13,7 @@ import time
 
 import pytest
 from mlxrt import Runtime
-from mlxrt.ipc.protocol import EngineOptions, Generate, SamplingParams
+from mlxrt.ipc.protocol import DEFAULT_PROMPT_CONCURRENCY, EngineOptions, Generate, SamplingParams
 from mlxrt.orchestrator.config import engine_from_env
 from mlxrt.worker.engine import BatchStepError, Engine
 from mlxrt.worker.prefill import MAX_SKIPS, ChunkSizer
@@ -468,17 +468,17 @@ def test_the_budget_left_on_auto_schedules_and_chunks_on_the_grid_on_cuda(tiny_m
     """prefill_budget_ms left on auto: the scheduler runs with the default budget on every backend, its
     chunks on the grid on MLX's CUDA backend, where each new shape costs an attention graph (measured
     there: the docs), and the batch takes every ready prompt in one call; 0 keeps mlx-lm's prefill, its
-    prompts `prompt_concurrency` a call."""
+    prompts `prompt_concurrency` a call (mlx-lm's 8 on auto)."""
     from mlxrt.ipc.protocol import DEFAULT_PREFILL_BUDGET_MS
     from mlxrt.worker.limits import on_cuda
 
     assert EngineOptions().prefill_budget_ms is None
     e = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0))
     assert e.scheduled and e.sizer.budget_ms == DEFAULT_PREFILL_BUDGET_MS and e.sizer.grid is on_cuda()
-    assert e._batch.prefill_batch_size == e.decode_concurrency > e.prefill.batch_prompts
+    assert e._batch.prefill_batch_size == e.decode_concurrency
     off = Engine(tiny_model, options=EngineOptions(prompt_cache_bytes=0, prefill_budget_ms=0))
     assert not off.scheduled and off.sizer.budget_ms == 0
-    assert off._batch.prefill_batch_size == off.prefill.batch_prompts
+    assert off._batch.prefill_batch_size == off.prefill.batch_prompts == DEFAULT_PROMPT_CONCURRENCY
 
 
 def test_a_burst_of_short_prompts_is_prefilled_in_batched_calls(slowed, alone):
@@ -592,8 +592,8 @@ class FailingBatch:
 
 def test_the_decode_batch_on_auto_follows_the_memory(tiny_model):
     """Left on auto, the decode batch is what the memory holds at each sequence's whole context, within
-    [prompt_concurrency, 32]: the cap for the tiny model; a given one is kept; a burst of that many is
-    admitted together."""
+    [prompt_concurrency (8 on auto), 32]: the cap for the tiny model; a given one is kept; a burst of that
+    many is admitted together."""
     from mlxrt.ipc.protocol import MAX_AUTO_DECODE_CONCURRENCY
     from mlxrt.worker.limits import batch_that_fits
 
@@ -614,6 +614,35 @@ def test_the_decode_batch_on_auto_follows_the_memory(tiny_model):
     assert Engine(tiny_model, options=EngineOptions(decode_concurrency=3)).decode_concurrency == 3
 
 
+def test_prompt_concurrency_on_auto_follows_the_decode_batch_under_the_scheduler(tiny_model, monkeypatch):
+    """Left on auto, the prompts prefilled together are the decode batch's under the prefill budget (a
+    burst of twelve short prompts in one call), mlx-lm's 8 without a budget, and a given number is kept
+    (two calls for the same burst at 8). 0 is refused naming the field; MLXRT_PROMPT_CONCURRENCY sets
+    it, unset leaves auto."""
+    assert EngineOptions().prompt_concurrency is None
+    with pytest.raises(ValueError, match="prompt_concurrency"):
+        EngineOptions(prompt_concurrency=0).validate()
+    monkeypatch.setenv("MLXRT_PROMPT_CONCURRENCY", "12")
+    assert engine_from_env().prompt_concurrency == 12
+    monkeypatch.delenv("MLXRT_PROMPT_CONCURRENCY")
+    assert engine_from_env().prompt_concurrency is None
+    unbudgeted = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=0, prompt_cache_bytes=0))
+    assert unbudgeted.prefill.batch_prompts == DEFAULT_PROMPT_CONCURRENCY
+    assert Engine(tiny_model, options=EngineOptions(decode_concurrency=5)).prefill.batch_prompts == 5
+    burst = [gen(700 + k, short_prompt(k), max_tokens=2) for k in range(12)]
+    for given, calls in ((None, 1), (DEFAULT_PROMPT_CONCURRENCY, 2)):
+        e = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=60_000, prompt_cache_bytes=0,
+                                                     prompt_concurrency=given))
+        assert e.prefill.batch_prompts == (given or e.decode_concurrency)
+        rec = Events()
+        run(e, rec, {0: [gen(690 + k, short_prompt(40 + k), max_tokens=1) for k in range(2)]})
+        assert e.sizer.rate is not None  # measured: the burst's chunk is the budget's, not the first guess
+        before = e.prefill_calls, e.prefill_batched
+        run(e, rec, {0: burst})
+        assert (e.prefill_calls - before[0], e.prefill_batched - before[1]) == (calls, 12)
+        assert all(len(rec.ids[r.id]) == 2 for r in burst)
+
+
 def test_decode_concurrency_is_checked_read_from_the_environment_and_reported(tiny_model, monkeypatch):
     """decode_concurrency=0 is refused naming the field; MLXRT_DECODE_CONCURRENCY sets it, unset leaves
     auto; a worker reports the batch it runs, auto resolved, in its ready message."""
@@ -626,7 +655,7 @@ def test_decode_concurrency_is_checked_read_from_the_environment_and_reported(ti
     with Runtime(model=tiny_model, engine=EngineOptions(decode_concurrency=5)) as rt:
         assert rt.model_info().decode_concurrency == 5
     with Runtime(model=tiny_model) as rt:
-        assert rt.model_info().decode_concurrency >= EngineOptions().prompt_concurrency
+        assert rt.model_info().decode_concurrency >= DEFAULT_PROMPT_CONCURRENCY
 
 
 def test_choices_admitted_mid_step_beside_a_system_prompt_are_never_prefilled_past_their_prompt(tiny_model):

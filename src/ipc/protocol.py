@@ -257,6 +257,8 @@ DEFAULT_DECODE_CONCURRENCY = 16
 #: The most sequences auto (`EngineOptions.decode_concurrency` None) decodes together: mlx_lm.server's
 #: --decode-concurrency default; fewer where the memory left after the weights holds fewer whole contexts.
 MAX_AUTO_DECODE_CONCURRENCY = 32
+#: Most prompts prefilled together where auto (`EngineOptions.prompt_concurrency` None) does not follow the
+#: decode batch: mlx_lm.server's --prompt-concurrency default.
 DEFAULT_PROMPT_CONCURRENCY = 8
 DEFAULT_PREFILL_STEP_SIZE = 2048
 #: Prefill time between two decode steps: a decoding stream's longest gap is about this plus one
@@ -318,8 +320,11 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: per token x context_length), within [prompt_concurrency, `MAX_AUTO_DECODE_CONCURRENCY`];
     #: `DEFAULT_DECODE_CONCURRENCY` in a worker group (docs/engine.md, the decode batch).
     decode_concurrency: int | None = None
-    #: Most prompts prefilled together (mlx_lm.server --prompt-concurrency).
-    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY
+    #: Most prompts prefilled together (mlx_lm.server --prompt-concurrency). None (auto): with the
+    #: prefill scheduler (a budget, one worker) as many as the decode batch, whose budget already bounds
+    #: a call's tokens, so a burst of short prompts goes in fewer calls; else `DEFAULT_PROMPT_CONCURRENCY`
+    #: (docs/engine.md, the prefill scheduler).
+    prompt_concurrency: int | None = None
     #: Prompt tokens per prefill step (mlx_lm.server --prefill-step-size).
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
     #: Byte cap of the prefix cache; 0 turns prefix reuse off (mlx_lm.server --prompt-cache-bytes).
@@ -387,7 +392,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
         """Raise `ValueError` naming the first bad field; return self."""
         _check(self.decode_concurrency is None or self.decode_concurrency >= 1, "decode_concurrency",
                "must be >= 1", self.decode_concurrency)
-        _check(self.prompt_concurrency >= 1, "prompt_concurrency", "must be >= 1", self.prompt_concurrency)
+        _check(self.prompt_concurrency is None or self.prompt_concurrency >= 1, "prompt_concurrency",
+               "must be >= 1", self.prompt_concurrency)
         _check(self.prefill_step_size >= 16, "prefill_step_size", "must be >= 16", self.prefill_step_size)
         _check(self.prompt_cache_bytes is None or self.prompt_cache_bytes >= 0, "prompt_cache_bytes",
                "must be >= 0", self.prompt_cache_bytes)

@@ -153,7 +153,7 @@ def engine_from_env() -> EngineOptions:
     b = EngineOptions()
     return EngineOptions(
         decode_concurrency=_env_opt_int("MLXRT_DECODE_CONCURRENCY", b.decode_concurrency),
-        prompt_concurrency=_env_int("MLXRT_PROMPT_CONCURRENCY", b.prompt_concurrency),
+        prompt_concurrency=_env_opt_int("MLXRT_PROMPT_CONCURRENCY", b.prompt_concurrency),
         prefill_step_size=_env_int("MLXRT_PREFILL_STEP_SIZE", b.prefill_step_size),
         prompt_cache_bytes=_env_opt_int("MLXRT_PROMPT_CACHE_BYTES", b.prompt_cache_bytes),
         single_stream=bool(_env_int("MLXRT_SINGLE_STREAM", int(b.single_stream))),

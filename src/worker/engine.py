@@ -72,6 +72,7 @@ from mlx_lm.utils import load
 from ..ipc.protocol import (
     DEFAULT_DECODE_CONCURRENCY,
     DEFAULT_PREFILL_BUDGET_MS,
+    DEFAULT_PROMPT_CONCURRENCY,
     Embed,
     EngineOptions,
     EngineReport,
@@ -175,9 +176,6 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.context_length = self._default_context(o.context_length)
         self.vocab_size = int(text.get("vocab_size") or 0)
         self.trimmable = _always_trimmable(make_cache(self.model, o.max_kv_size))
-        #: Prompt tokens per prefill step, lone and batched: the options', cut where the backend
-        #: cannot take that many tokens through the model's experts in one call (limits.py).
-        self.prefill = prefill_steps(o, prefill_token_cap(self.model, text), path)
         self.capabilities = capabilities(self.tokenizer)
         if o.chat_template is not None:
             self._check_template()
@@ -205,7 +203,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         if o.decode_concurrency is None and group is None:
             self.decode_concurrency = auto_decode_concurrency(
                 self.model, make_cache(self.model, o.max_kv_size), self.context_length,
-                share=prompt_cache_share, reserved_bytes=self.prompt_cache_bytes, floor=o.prompt_concurrency)
+                share=prompt_cache_share, reserved_bytes=self.prompt_cache_bytes,
+                floor=o.prompt_concurrency or DEFAULT_PROMPT_CONCURRENCY)
         self._eos = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self._eos)
         self.masks = StepMasks()
@@ -214,6 +213,13 @@ class Engine(PromptBuilder, PrefillScheduler):
         if budget is None:  # auto: see EngineOptions.prefill_budget_ms
             budget = DEFAULT_PREFILL_BUDGET_MS
         self.scheduled = budget > 0 and group is None
+        #: Most prompts prefilled together: the options', or on auto the decode batch under the scheduler
+        #: (its budget bounds a call's tokens) and mlx-lm's default without it.
+        prompts = o.prompt_concurrency or (self.decode_concurrency if self.scheduled
+                                           else DEFAULT_PROMPT_CONCURRENCY)
+        #: Prompt tokens per prefill step, lone and batched, and those prompts: the options', cut where
+        #: the backend cannot take that many tokens through the model's experts in one call (limits.py).
+        self.prefill = prefill_steps(o.prefill_step_size, prompts, prefill_token_cap(self.model, text), path)
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid

@@ -21,7 +21,6 @@ from ..ipc.protocol import (
     MAX_AUTO_DECODE_CONCURRENCY,
     MAX_AUTO_PROMPT_CACHE_BYTES,
     MIN_AUTO_PROMPT_CACHE_BYTES,
-    EngineOptions,
 )
 
 log = structlog.get_logger("mlxrt.worker")
@@ -56,26 +55,28 @@ def prefill_token_cap(model: nn.Module, config: dict) -> int | None:
 
 @dataclass(frozen=True)
 class PrefillSteps:
-    """Prompt tokens per prefill step of a lone prompt and of a batch, and the batch's most prompts."""
+    """Prompt tokens per prefill step of a lone prompt and of a batch, the batch's most prompts, and the
+    most tokens one call may carry, padding counted (None: no limit)."""
 
     solo: int
     batch: int
     batch_prompts: int
+    call_tokens: int | None = None
 
 
-def prefill_steps(o: EngineOptions, cap: int | None, model: str) -> PrefillSteps:
-    """The options' steps, each within `cap` tokens a call: mlx-lm prefills `prompt_concurrency`
-    prompts as one batch of that many rows, so the batch's step is cut to fit them (in 64s), and where
-    not even 64 tokens a row fit, fewer prompts go together."""
-    step, prompts = o.prefill_step_size, o.prompt_concurrency
+def prefill_steps(step: int, prompts: int, cap: int | None, model: str) -> PrefillSteps:
+    """`step` tokens a step and `prompts` together, each call within `cap` tokens: mlx-lm prefills
+    `prompts` prompts as one batch of that many rows, so the batch's step is cut to fit them (in 64s),
+    and where not even 64 tokens a row fit, fewer prompts go together."""
     if cap is None or prompts * step <= cap:
-        return PrefillSteps(step, step, prompts)
+        return PrefillSteps(step, step, prompts, cap)
+    asked = prompts
     per_row = cap // prompts
     if per_row < 64:
         prompts, per_row = max(1, cap // 64), 64
-    steps = PrefillSteps(min(step, cap), min(step, per_row - per_row % 64), prompts)
+    steps = PrefillSteps(min(step, cap), min(step, per_row - per_row % 64), prompts, cap)
     log.warning("worker.prefill_step_capped", model=model, prefill_step_size=step, lone=steps.solo,
-                batched=steps.batch, prompt_concurrency=o.prompt_concurrency, batch_prompts=prompts,
+                batched=steps.batch, prompt_concurrency=asked, batch_prompts=prompts,
                 tokens_per_call=cap,
                 why=f"MLX's CUDA expert matmul takes at most {CUDA_GRID_LIMIT} (token, expert) pairs")
     return steps

@@ -207,8 +207,8 @@ class ChunkSizer:
     def room(self, spent_ms: float = 0.0) -> int:
         """Padded tokens one call of several short prompts may carry in what is left of the budget: on
         the grid the budget's worth less a build (the caller takes at least a chunk's; like mlx-lm's
-        prompt batches, it may pass `ceiling`, the rows being at most `prompt_concurrency`); off it,
-        `size`'s."""
+        prompt batches, it may pass `ceiling`, the rows being at most `prompt_concurrency` and the
+        tokens within what the backend takes in one call, `PrefillSteps.call_tokens`); off it, `size`'s."""
         if not self.grid or self.rate is None or self.budget_ms <= 0:
             return self.size(spent_ms)
         return max(0, int(self.rate * (self.budget_ms - spent_ms - BUILD_MS)))
@@ -413,6 +413,8 @@ class PrefillScheduler:
             if size <= 0:
                 break
             room = max(size, self.sizer.room(spent * 1e3))
+            if self.prefill.call_tokens is not None:  # a mixture of experts on CUDA (limits.py)
+                room = min(room, self.prefill.call_tokens)  # at least `size`: a lone step is within it
             rows = batch_rows(self._prefills, first, size, room, self.prefill.batch_prompts)
             # The call's attention shape: rows padded to the longest segment, over the longest cache.
             widest, cached = max(len(p.segments[0]) for p in rows), max(len(p.tokens) for p in rows)
