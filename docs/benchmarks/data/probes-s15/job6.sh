@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 15, lease 1, second call (warm machine, compiled): both leads of job5 and the two together,
-# in the same paired rounds as ring, HTTP and native-batch.
+# in the same paired rounds as ring, HTTP and native-batch. PROBE_ROW_VIEWS was probes-s12/site's as at
+# 1a4f91d (the engine's own way since c0f13bb, so the site's variant is gone).
 #   export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; setsid bash THIS >/dev/null 2>&1 </dev/null &
 #   sleep 2; L=/tmp/lease6 bash docs/benchmarks/data/probes-s15/poll.sh 560
 cd "$(dirname "$0")/../../../.."
