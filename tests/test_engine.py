@@ -296,18 +296,19 @@ def test_moe_batched_prefill_calls_fit_cudas_grid_under_the_scheduler(monkeypatc
     cut = Engine(moe, options=opts)
     assert cut.prefill.call_tokens == 1024 and cut.prefill.batch_prompts == 16 and cut.sizer.grid
     run_batch(cut, warm)
-    cut.model = Counted(cut.model)
+    cut.model, batched = Counted(cut.model), cut.prefill_batched
     got = run_batch(cut, burst)
     assert not got.errors and got.ids == want
-    assert max(cut.model.tokens) <= 1024 and cut.prefill_batched > 0
+    assert max(cut.model.tokens) <= 1024 and cut.prefill_batched > batched  # the burst went in batched calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_cache_entries_hold_only_the_bytes_they_count(family):
-    """Eight streams at once, their rows taken out of batched prefills and the decode batch: dropping the
-    prefix cache then frees what its entries count, no more. A row mlx-lm takes out of a batch may be a
-    view of the batch's arrays; kept as it was, each entry held 2.1-3.4x its bytes (before
-    `kvcache.owned`), unseen by the byte cap."""
+    """A lone stream, then eight at once (one of them with two choices, which start from its prompt's
+    cache), their rows taken out of batched prefills and the decode batch: dropping the prefix cache then
+    frees what its entries count, no more. A row mlx-lm takes out of a batch holds the batch's arrays
+    until evaluated (a recurrent state's row for good); kept so, the entries held 2.4-2.7x their bytes
+    (before `kvcache.owned`: docs/benchmarks/data/cpu-s15-owned.log), unseen by the byte cap."""
     import gc
 
     import mlx.core as mx
@@ -318,15 +319,20 @@ def test_prefix_cache_entries_hold_only_the_bytes_they_count(family):
         return mx.get_active_memory()
 
     engine = Engine(str(ensure_model(family)), options=EngineOptions(decode_concurrency=8))
-    reqs = [gen(i, ids=[5 + (i * 13 + j * 7) % 200 for j in range(160)], max_tokens=6) for i in range(8)]
+    run_alone(engine, gen(99, ids=[7 + (j * 11) % 190 for j in range(160)], max_tokens=6))
+    assert engine.solo_requests == 1
+    reqs = [gen(i, ids=[5 + (i * 13 + j * 7) % 200 for j in range(160)], max_tokens=6, n=1 + (i == 3))
+            for i in range(8)]
     rec = run_batch(engine, reqs)
-    assert not rec.errors and all(len(rec.ids[r.id]) == 6 for r in reqs)
+    assert not rec.errors and all(len(rec.ids[r.id]) == 6 * r.params.n for r in reqs)
     assert engine.prefill_batched > 0  # rows went through batched calls, not one prompt at a time
     counted, before = engine.prefix_cache.nbytes, active()
-    assert len(engine.prefix_cache) >= 8 and counted > 0
+    assert len(engine.prefix_cache) >= 9 and counted > 0
     engine.prefix_cache.clear()
     freed = before - active()
-    assert 0.9 * counted <= freed <= 1.05 * counted, (freed, counted)
+    # MLX's allocator rounds a small buffer up (a 5,120-byte copy takes 8,192), and a tiny preset's
+    # recurrent states are small: its entries take a little more than they count, never the 2x of a batch.
+    assert 0.9 * counted <= freed <= 1.25 * counted, (freed, counted)
 
 
 def test_stop_strings_and_stop_ids_in_a_batch():
@@ -532,7 +538,7 @@ def test_moe_prefill_steps_fit_cudas_grid(monkeypatch):
     assert cut._batch.prefill_step_size == 448 and 64 * 448 * 2 <= limits.CUDA_GRID_LIMIT
     lone = Engine(moe, options=EngineOptions(prompt_concurrency=1, prefill_step_size=40000))
     assert lone.prefill == limits.PrefillSteps(32767, 32704, 1, 32767)
-    many = limits.prefill_steps(2048, 600, 8191, "m")  # under 64 tokens a row
+    many = limits.prefill_steps(2048, prompts=600, cap=8191, model="m")  # under 64 tokens a row
     assert many == limits.PrefillSteps(2048, 64, 127, 8191) and many.batch * many.batch_prompts <= 8191
     # prompts of two steps when cut, all through the batch (single_stream off)
     reqs = [gen(i, ids=[(7 * i + 3 * j) % 200 + 5 for j in range(470 + i)], max_tokens=8) for i in range(3)]

@@ -549,7 +549,11 @@ def test_a_batched_prefill_that_fails_fails_its_rows_alone(tiny_model, alone):
 def test_a_joining_rows_cache_is_mlx_lms_row_without_the_copy(family):
     """`row_caches` after one batched call of three uneven rows, the middle one going on: every row
     holds, layer by layer, what mlx-lm's `extract_cache` gives (its left padding cut off), as caches of
-    its own kinds, not the batch's layers."""
+    its own kinds, not the batch's layers. A joining row's `KVCache` layers are views: kept alone, it
+    keeps the whole call's arrays; a row that goes on holds its own bytes (checked where every layer is a
+    `KVCache`: mlx-lm's extract of a recurrent state is a view too)."""
+    import gc
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.generate import PromptProcessingBatch
@@ -559,10 +563,14 @@ def test_a_joining_rows_cache_is_mlx_lms_row_without_the_copy(family):
 
     model = Engine(str(ensure_model(family)), options=EngineOptions(prompt_cache_bytes=0)).model
     chunks = [short_prompt(1)[:5], short_prompt(2)[:9], short_prompt(3)[:3]]
-    batch = PromptProcessingBatch(model, [0, 1, 2], [make_prompt_cache(model) for _ in chunks],
-                                  prefill_step_size=9)
-    batch.prompt(chunks)
-    seen = row_caches(batch, [True, False, True])
+
+    def call() -> tuple[PromptProcessingBatch, list[list]]:
+        batch = PromptProcessingBatch(model, [0, 1, 2], [make_prompt_cache(model) for _ in chunks],
+                                      prefill_step_size=9)
+        batch.prompt(chunks)
+        return batch, row_caches(batch, [True, False, True])
+
+    batch, seen = call()
     for i, row in enumerate(seen):
         want = batch.extract_cache(i)
         assert [type(c) for c in row] == [type(c) for c in want]
@@ -573,6 +581,68 @@ def test_a_joining_rows_cache_is_mlx_lms_row_without_the_copy(family):
             for (_, x), (_, y) in zip(got, exp, strict=True):
                 assert mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y
         assert all(c.offset == len(chunks[i]) for c in row if type(c) is KVCache)
+    del batch, seen, row, want, c, w, got, exp, x, y
+
+    def held(i: int) -> tuple[int, int]:
+        """What row `i` alone keeps alive, and the bytes it counts."""
+        batch, seen = call()
+        row = seen[i]
+        mx.eval([c.state for c in row])
+        del batch, seen
+        gc.collect()
+        before, counted = mx.get_active_memory(), sum(c.nbytes for c in row)
+        del row
+        gc.collect()
+        return before - mx.get_active_memory(), counted
+
+    freed, counted = held(0)
+    assert freed > 2 * counted
+    if all(type(c) is KVCache for c in make_prompt_cache(model)):
+        freed, counted = held(1)
+        assert freed <= counted
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-qwen3.5"])
+def test_a_choice_waiting_for_room_holds_only_its_own_start(family):
+    """A request with two choices whose prompt ends in a batched call while the decode batch is full:
+    the second choice waits, and its start (a copy of the prompt's cache) holds the bytes it counts, not
+    the call's arrays (13x before the start was settled once, `kvcache.owned`, and kept rows were kept
+    out of the views)."""
+    import gc
+
+    import mlx.core as mx
+    from mlxrt.synthetic.build import ensure_model
+
+    def active() -> int:
+        gc.collect()
+        return mx.get_active_memory()
+
+    e = Engine(str(ensure_model(family)), options=EngineOptions(decode_concurrency=3, prompt_cache_bytes=0,
+                                                                 prefill_budget_ms=60_000))
+    rec = Events()
+    warm = [gen(90 + i, [5 + (i * 3 + j) % 100 for j in range(30)], max_tokens=1) for i in range(2)]
+    run(e, rec, {0: warm})
+    batched = e.prefill_batched
+    for r in (gen(1, [5 + j % 100 for j in range(200)], max_tokens=40),
+              gen(2, [7 + j % 100 for j in range(120)], max_tokens=40)):
+        e.submit(r, rec)
+    two = Generate(id=3, prompt_ids=[9 + j % 100 for j in range(60)],
+                   params=SamplingParams(max_tokens=40, ignore_eos=True, n=2))
+    e.submit(two, rec)
+    waiting = []
+    for _ in range(50):
+        e.step()
+        waiting = [s for s in e._waiting if s.start is not None]
+        if waiting and e._running and not e._prefills:
+            break
+    assert waiting and e.prefill_batched > batched  # the prompts went in a batched call
+    fork = waiting[0]
+    counted = sum(c.nbytes for c in fork.start[0])
+    before = active()
+    fork.start = None
+    assert before - active() <= 1.25 * counted  # the allocator rounds a small buffer up
+    while e.busy:
+        e.step()
 
 
 class FailingBatch:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+#: 14: EngineOptions.prompt_concurrency may be None (auto).
 #: 13: EngineOptions.burst_ms.
 #: 12: EngineOptions.prompt_cache_warm_bytes, DiskCacheReport.warmed (disk entries read back while idle);
 #: GroupRank.wake.
@@ -31,7 +32,7 @@ import msgspec
 #: prompt_cache_disk_bytes; EngineReport.disk_cache.
 #: 5: Hello.prompt_cache_share, EngineReport.prompt_cache_cap_bytes; 4: EngineOptions.gather_ms;
 #: 3: EngineOptions.prompt_cache_bytes may be None
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 #: Largest repetition-penalty window: the penalty gathers this many past tokens
 #: on every step, so its cost grows with the window.
@@ -321,9 +322,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     #: `DEFAULT_DECODE_CONCURRENCY` in a worker group (docs/engine.md, the decode batch).
     decode_concurrency: int | None = None
     #: Most prompts prefilled together (mlx_lm.server --prompt-concurrency). None (auto): with the
-    #: prefill scheduler (a budget, one worker) as many as the decode batch, whose budget already bounds
-    #: a call's tokens, so a burst of short prompts goes in fewer calls; else `DEFAULT_PROMPT_CONCURRENCY`
-    #: (docs/engine.md, the prefill scheduler).
+    #: prefill scheduler (a budget, not a worker group) as many as the decode batch, whose budget
+    #: already bounds a call's tokens, so a burst of short prompts goes in fewer calls; else
+    #: `DEFAULT_PROMPT_CONCURRENCY` (docs/engine.md, the prefill scheduler).
     prompt_concurrency: int | None = None
     #: Prompt tokens per prefill step (mlx_lm.server --prefill-step-size).
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE

@@ -213,13 +213,14 @@ class Engine(PromptBuilder, PrefillScheduler):
         if budget is None:  # auto: see EngineOptions.prefill_budget_ms
             budget = DEFAULT_PREFILL_BUDGET_MS
         self.scheduled = budget > 0 and group is None
-        #: Most prompts prefilled together: the options', or on auto the decode batch under the scheduler
-        #: (its budget bounds a call's tokens) and mlx-lm's default without it.
+        # Most prompts prefilled together: the options', or on auto the decode batch under the scheduler
+        # (its budget bounds a call's tokens) and mlx-lm's default without it.
         prompts = o.prompt_concurrency or (self.decode_concurrency if self.scheduled
                                            else DEFAULT_PROMPT_CONCURRENCY)
         #: Prompt tokens per prefill step, lone and batched, and those prompts: the options', cut where
         #: the backend cannot take that many tokens through the model's experts in one call (limits.py).
-        self.prefill = prefill_steps(o.prefill_step_size, prompts, prefill_token_cap(self.model, text), path)
+        self.prefill = prefill_steps(o.prefill_step_size, prompts=prompts,
+                                     cap=prefill_token_cap(self.model, text), model=path)
         self._batch = self._new_batch()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
@@ -658,7 +659,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         try:
             if solo.prefilling:
                 if self._solo_prefill(solo) and seq.checkpoint_kinds:
-                    kind = seq.checkpoint_kinds.pop()  # the cache goes on: the prefix cache copies it
+                    kind = seq.checkpoint_kinds.pop()  # the cache goes on: the prefix cache keeps a copy
                     if kind is not None:
                         self.prefix_cache.insert(list(solo.tokens), solo.cache, kind)
                 return

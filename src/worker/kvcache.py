@@ -42,7 +42,14 @@ import mlx.nn as nn
 import structlog
 from mlx.utils import tree_map
 from mlx_lm.models import base
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from .limits import on_cuda
 
@@ -98,24 +105,29 @@ def full_precision(cache: list | None) -> list | None:
 
 
 def owned(cache: list) -> list:
-    """A copy of `cache` whose arrays are its own, evaluated (each layer of any kind: its `state` copied).
+    """A copy of `cache` to keep, evaluated: each layer a new object, an `ArraysCache`'s arrays copied (in
+    a `CacheList` too), the others' shared (`copy.deepcopy`; MLX arrays are not changed in place).
 
-    A row mlx-lm takes out of a batch is a view of the batch's arrays where it can be (`ArraysCache` and
-    `RotatingKVCache` rows always, a `KVCache` row where its slice is contiguous; the scheduler's joining
-    rows too, `prefill.row_caches`), and a view, or a `copy.deepcopy` of one, keeps all the batch's
-    arrays alive while `nbytes` counts its own. The prefix cache keeps its entries for long and evicts
-    by `nbytes`, so it keeps copies: measured before this, its entries held 2.1-3.4x the bytes they
-    counted after 8 streams on the tiny presets (tests/test_engine.py,
-    `test_prefix_cache_entries_hold_only_the_bytes_they_count`). The price is one copy per entry kept,
-    where mlx-lm's extract may have copied already (there is no way to ask MLX whether an array is a view).
+    mlx-lm's extract of a batch's row is lazy: until evaluated, a `KVCache` or rotating row is a graph
+    over the whole batch's arrays (its `mx.contiguous` copies the row once evaluated). Its extract of an
+    `ArraysCache` row is a view, which keeps the batch's arrays alive evaluated or not. Either way the
+    row holds far more than its `nbytes`, which the prefix cache's byte cap counts: its entries after 8
+    streams held 2.4-2.7x the bytes they counted on each tiny preset
+    (docs/benchmarks/data/cpu-s15-owned.log). A recurrent state is small, so its copy is too.
     """
-    out = []
-    for c in cache:
-        mine = copy.copy(c)
-        mine.state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
-        out.append(mine)
+    out = [_owned_layer(c) for c in cache]
     mx.eval([c.state for c in out])
     return out
+
+
+def _owned_layer(c):
+    if isinstance(c, CacheList):
+        return CacheList(*(_owned_layer(sub) for sub in c.caches))
+    if isinstance(c, ArraysCache):
+        mine = copy.copy(c)
+        mine.state = tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, c.state)
+        return mine
+    return copy.deepcopy(c)
 
 
 def _dequantized(c: QuantizedKVCache) -> KVCache:

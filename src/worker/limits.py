@@ -64,7 +64,7 @@ class PrefillSteps:
     call_tokens: int | None = None
 
 
-def prefill_steps(step: int, prompts: int, cap: int | None, model: str) -> PrefillSteps:
+def prefill_steps(step: int, *, prompts: int, cap: int | None, model: str) -> PrefillSteps:
     """`step` tokens a step and `prompts` together, each call within `cap` tokens: mlx-lm prefills
     `prompts` prompts as one batch of that many rows, so the batch's step is cut to fit them (in 64s),
     and where not even 64 tokens a row fit, fewer prompts go together."""
@@ -76,7 +76,7 @@ def prefill_steps(step: int, prompts: int, cap: int | None, model: str) -> Prefi
         prompts, per_row = max(1, cap // 64), 64
     steps = PrefillSteps(min(step, cap), min(step, per_row - per_row % 64), prompts, cap)
     log.warning("worker.prefill_step_capped", model=model, prefill_step_size=step, lone=steps.solo,
-                batched=steps.batch, prompt_concurrency=asked, batch_prompts=prompts,
+                batched=steps.batch, prompts_asked=asked, batch_prompts=prompts,
                 tokens_per_call=cap,
                 why=f"MLX's CUDA expert matmul takes at most {CUDA_GRID_LIMIT} (token, expert) pairs")
     return steps

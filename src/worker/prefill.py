@@ -43,7 +43,7 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..ipc.protocol import EngineOptions
-from .kvcache import full_precision, make_cache
+from .kvcache import full_precision, make_cache, owned
 from .limits import PrefillSteps
 from .prefix_cache import PrefixCache
 from .sequence import BatchStepError, Sequence, reseed
@@ -101,6 +101,13 @@ class Prefill:
     def ready(self) -> bool:
         """Whether only the prompt's last token is left: it joins the batch."""
         return len(self.segments) == 1 and len(self.segments[0]) == 1
+
+    @property
+    def kept(self) -> bool:
+        """Whether the end of the current segment keeps the cache (`PrefillScheduler._boundary`): a
+        checkpoint there, or the prompt's end where its other choices start from it."""
+        kinds, seq = self.seq.checkpoint_kinds, self.seq
+        return bool(kinds) and (kinds[-1] is not None or (bool(seq.forks) and len(kinds) == 1))
 
 
 def split_last(segments: list[list[int]]) -> list[list[int]]:
@@ -207,8 +214,8 @@ class ChunkSizer:
     def room(self, spent_ms: float = 0.0) -> int:
         """Padded tokens one call of several short prompts may carry in what is left of the budget: on
         the grid the budget's worth less a build (the caller takes at least a chunk's; like mlx-lm's
-        prompt batches, it may pass `ceiling`, the rows being at most `prompt_concurrency` and the
-        tokens within what the backend takes in one call, `PrefillSteps.call_tokens`); off it, `size`'s."""
+        prompt batches, it may pass `ceiling`, the rows being at most `prompt_concurrency`; the caller also
+        keeps it within what the backend takes in one call, `PrefillSteps.call_tokens`); off it, `size`'s."""
         if not self.grid or self.rate is None or self.budget_ms <= 0:
             return self.size(spent_ms)
         return max(0, int(self.rate * (self.budget_ms - spent_ms - BUILD_MS)))
@@ -281,7 +288,7 @@ def run_rows(model, rows: list[Prefill], stream) -> tuple[int, float]:
         batch = PromptProcessingBatch(model, list(range(len(rows))), [p.cache for p in rows],
                                       prefill_step_size=max(len(c) for c in chunks))
         batch.prompt(chunks)
-        caches = row_caches(batch, [p.ready for p in rows])
+        caches = row_caches(batch, [p.ready and not p.kept for p in rows])
         mx.eval([c.state for cache in caches for c in cache])
     seconds = time.perf_counter() - t0
     mx.clear_cache()
@@ -292,28 +299,32 @@ def run_rows(model, rows: list[Prefill], stream) -> tuple[int, float]:
     return sum(len(c) for c in chunks), seconds
 
 
-def row_caches(batch: PromptProcessingBatch, joining: list[bool]) -> list[list]:
-    """Each row's cache after a batched call, as mlx-lm's `extract_cache` gives it, but for a row that
-    joins the decode batch at once (`joining`): its `KVCache` layers are views of the call's arrays,
-    as mlx-lm's extract already gives the other kinds, where for a `KVCache` it copies.
+def row_caches(batch: PromptProcessingBatch, views: list[bool]) -> list[list]:
+    """Each row's cache after a batched call, as mlx-lm's `extract_cache` gives it, but where `views`
+    says so (a row that joins the decode batch at once, its cache kept nowhere): its `KVCache` layers as
+    views of the call's arrays, where mlx-lm's extract copies them.
 
     The batch's merge copies a joining row in the next step, so a copy here would be a second one:
     16 rows x 4 layers handed on in 6.40 ms that way on a 2-core CPU, against 3.97 ms with views
     (docs/benchmarks/data/probes-s14/extract.py). A view keeps the whole call's arrays alive until every
-    row has merged, within the step; what keeps a cache longer copies it (`kvcache.owned`). A row that
-    goes on prefilling is extracted as before: it may wait for steps while others are prefilled.
+    row has merged, within the step, so none goes where a cache is kept: a checkpoint, a forked choice's
+    start (`Prefill.kept`), or a row that goes on prefilling and may wait for steps.
     """
-    layers = batch.prompt_cache
-    return [[_row_view(c, i) if joins and type(c) is BatchKVCache else c.extract(i) for c in layers]
-            for i, joins in enumerate(joining)]
+    out: list[list] = [[] for _ in views]
+    for layer in batch.prompt_cache:
+        viewed = type(layer) is BatchKVCache and any(views)
+        padding = layer.left_padding.tolist() if viewed else []
+        for i, view in enumerate(views):
+            out[i].append(_row_view(layer, i, padding[i]) if view and viewed else layer.extract(i))
+    return out
 
 
-def _row_view(c: BatchKVCache, i: int) -> KVCache:
-    """Row `i` of `c` as a `KVCache` over views of its arrays (`BatchKVCache.extract` less its copy)."""
-    mx.eval(c.left_padding)
-    padding = c.left_padding.tolist()[i]
+def _row_view(c: BatchKVCache, i: int, padding: int) -> KVCache:
+    """Row `i` of `c`, `padding` on its left, as a `KVCache` over views of its arrays (`BatchKVCache.extract`
+    less its copy)."""
     row = KVCache()
-    row.keys, row.values = c.keys[i : i + 1, :, padding : c._idx], c.values[i : i + 1, :, padding : c._idx]
+    end = c.size()
+    row.keys, row.values = c.keys[i : i + 1, :, padding:end], c.values[i : i + 1, :, padding:end]
     row.offset = row.keys.shape[2]
     return row
 
@@ -495,8 +506,11 @@ class PrefillScheduler:
         """`seq`'s prompt is prefilled up to its last token: its other choices start from a copy of
         that cache (`start`; None: each from the prefix cache, as `seq` did), ahead of the queue."""
         forks, seq.forks = seq.forks, []
+        # Settled once (`owned`): a row taken out of a batch may hold the batch's arrays, and a choice
+        # may wait for room in the batch for many steps.
+        base = None if start is None else owned(start[0])
         for fork in forks:
-            fork.start = None if start is None else (copy.deepcopy(start[0]), start[1])
+            fork.start = None if start is None else (copy.deepcopy(base), start[1])
         self._waiting.extendleft(reversed(forks))
 
     def _end_forks(self, seq: Sequence) -> None:

@@ -24,9 +24,10 @@ what the engine needs around it:
   pipeline parallelism, yet every rank must keep and evict the same entries,
   or their prefills (and their collectives) would part ways.
 
-Entries hold arrays of their own (`kvcache.owned`, copied as they come in): a cache taken out of a batch
-may be a view of the batch's arrays, which would keep them all alive while counting its own bytes; a
-served entry is a deep copy, which the batch extends without touching the entry.
+Entries are copies (`kvcache.owned`, as they come in): a cache taken out of a batch is a lazy graph over
+the batch's arrays, or for a recurrent state a view of them, and either would keep them all alive while
+counting its own bytes; so an entry is evaluated, and a recurrent state's arrays are copied. A served
+entry is a deep copy, which the batch extends without touching the entry.
 
 Under it, optionally, a disk tier (`disk_cache.DiskTier`): every entry inserted
 is also written to disk in the background while the writer keeps up, an entry
@@ -284,7 +285,8 @@ class PrefixCache:
             self.prefill_tps = tokens_per_s if rate is None else 0.8 * rate + 0.2 * tokens_per_s
 
     def insert(self, tokens: list[int], cache: list, kind: str = "assistant") -> None:
-        """Keep a copy of `cache` (`owned`), which holds exactly `tokens`; evict to stay under the byte cap.
+        """Keep a copy of `cache` (`owned`: evaluated, a recurrent state's arrays its own), which holds
+        exactly `tokens`; evict to stay under the byte cap.
 
         kind: "system", "user" or "assistant": under pressure `LRUPromptCache`
         evicts assistant entries first and system prompts last.
