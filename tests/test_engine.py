@@ -302,6 +302,64 @@ def test_moe_batched_prefill_calls_fit_cudas_grid_under_the_scheduler(monkeypatc
     assert max(cut.model.tokens) <= 1024 and cut.prefill_batched > batched  # the burst went in batched calls
 
 
+def test_owned_settles_every_cache_kind_mlx_lm_has():
+    """`kvcache.owned` on each of mlx-lm's cache kinds: a new object of the same kind with equal arrays and
+    bytes; a recurrent state's arrays are copies, so a row taken out of a batch of them holds its own
+    bytes, not the batch's; a cache whose `state` cannot be set (mlx-lm's DeepSeek V4.1 layer) is kept."""
+    import gc
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
+    from mlxrt.worker.kvcache import owned
+
+    def filled(c):
+        c.update_and_fetch(mx.random.normal((1, 2, 40, 32)), mx.random.normal((1, 2, 40, 32)))
+        return c
+
+    def recurrent():
+        c = ArraysCache(2)
+        c[0], c[1] = mx.random.normal((1, 3, 8)), mx.random.normal((1, 4, 16))
+        return c
+
+    kinds = [filled(KVCache()), filled(RotatingKVCache(max_size=32, keep=4)), recurrent(),
+             filled(QuantizedKVCache(group_size=32, bits=8)), CacheList(recurrent(), filled(KVCache())),
+             filled(ChunkedKVCache(64)), KVCache()]
+    for c in kinds:
+        (mine,) = owned([c])
+        assert type(mine) is type(c) and mine is not c and mine.nbytes == c.nbytes
+        src, dst = ([x for _, x in tree_flatten(k.state) if isinstance(x, mx.array)] for k in (c, mine))
+        assert len(src) == len(dst)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(src, dst, strict=True))
+
+    class ReadOnly:  # a layer whose `state` has no setter
+        def __init__(self) -> None:
+            self.window = mx.zeros((1, 4, 8))
+
+        @property
+        def state(self):
+            return (self.window,)
+
+    assert owned([ReadOnly()])[0].window.shape == (1, 4, 8)
+
+    gc.collect()
+    base = mx.get_active_memory()
+    batch = ArraysCache(1)
+    batch[0] = mx.random.normal((8, 4, 64, 256))
+    mx.eval(batch.state)
+    (row,) = owned([batch.extract(3)])
+    del batch
+    gc.collect()
+    assert 0 < mx.get_active_memory() - base <= row.nbytes  # the batch's 8 rows are gone
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefix_cache_entries_hold_only_the_bytes_they_count(family):
     """A lone stream, then eight at once (one of them with two choices, which start from its prompt's
