@@ -376,7 +376,10 @@ def test_prefix_cache_entries_hold_only_the_bytes_they_count(family):
         gc.collect()
         return mx.get_active_memory()
 
-    engine = Engine(str(ensure_model(family)), options=EngineOptions(decode_concurrency=8))
+    # A budget long enough that the batched calls do not hang on this machine's speed: the first call is
+    # the sizer's floor, the rest carry up to 8 rows of 160 tokens.
+    options = EngineOptions(decode_concurrency=8, prefill_budget_ms=60_000)
+    engine = Engine(str(ensure_model(family)), options=options)
     run_alone(engine, gen(99, ids=[7 + (j * 11) % 190 for j in range(160)], max_tokens=6))
     assert engine.solo_requests == 1
     reqs = [gen(i, ids=[5 + (i * 13 + j * 7) % 200 for j in range(160)], max_tokens=6, n=1 + (i == 3))
