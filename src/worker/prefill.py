@@ -106,8 +106,15 @@ class Prefill:
     def kept(self) -> bool:
         """Whether the end of the current segment keeps the cache (`PrefillScheduler._boundary`): a
         checkpoint there, or the prompt's end where its other choices start from it."""
-        kinds, seq = self.seq.checkpoint_kinds, self.seq
-        return bool(kinds) and (kinds[-1] is not None or (bool(seq.forks) and len(kinds) == 1))
+        kind, forking = next_boundary(self.seq)
+        return kind is not None or forking
+
+
+def next_boundary(seq: Sequence) -> tuple[str | None, bool]:
+    """What `seq`'s next prompt boundary keeps, not taken yet: its checkpoint kind (None: none), and
+    whether its other choices start there (the prompt's end)."""
+    kinds = seq.checkpoint_kinds
+    return (kinds[-1] if kinds else None), bool(kinds) and bool(seq.forks) and len(kinds) == 1
 
 
 def split_last(segments: list[list[int]]) -> list[list[int]]:
@@ -472,8 +479,9 @@ class PrefillScheduler:
         seq = p.seq
         if not seq.checkpoint_kinds:
             return
-        kind = seq.checkpoint_kinds.pop()
-        if seq.forks and not seq.checkpoint_kinds:  # the prompt's end: its other choices start
+        kind, forking = next_boundary(seq)
+        seq.checkpoint_kinds.pop()
+        if forking:
             self._release_forks(seq, (p.cache, len(p.tokens)))
         if kind is not None:  # the cache goes on: the prefix cache copies it
             self.prefix_cache.insert(list(p.tokens), p.cache, kind)
@@ -523,8 +531,8 @@ class PrefillScheduler:
         """Keep the cache at the prompt boundary just reached."""
         if not seq.checkpoint_kinds:
             return
-        kind = seq.checkpoint_kinds.pop()
-        forking = bool(seq.forks) and not seq.checkpoint_kinds  # the prompt's end: its other choices start
+        kind, forking = next_boundary(seq)
+        seq.checkpoint_kinds.pop()
         if kind is None and not forking:
             return
         for cache, tokens in self._batch.extract_cache([seq.uid]).values():
