@@ -3,12 +3,12 @@
 Scenarios run in interleaved rounds (A B C A B C ...) after a warm-up, greedy,
 EOS disabled, on the same prompt ids and model: native ``mlx_lm.stream_generate``,
 mlxrt's embedded API over the ring and over stdio, mlxrt over HTTP, and the
-peers that can run here (mlx-lm's server, llama.cpp, Ollama). Every mlxrt
+peers that can run here (mlx-lm's server, vllm-mlx, llama.cpp, Ollama). Every mlxrt
 scenario must produce native's token ids (the quality gate: a mismatch exits 1;
 where native decoding is itself nondeterministic, as with MLX's CUDA backend,
 tokens are checked by teacher forcing instead: benchmarks/gate.py).
 Then the parts (``--part``): the per-component costs, measured directly; N
-streams at once (``--streams``) on mlxrt, mlxrt over HTTP, mlx_lm.server and
+streams at once (``--streams``) on mlxrt, mlxrt over HTTP, mlx_lm.server, vllm-mlx and
 mlx-lm's own continuous batching in-process (``native-batch``, whose ids are
 the reference for mlxrt's streams); and agents holding growing multi-turn
 chats over a shared system prompt (benchmarks/agents.py). Progress goes to
@@ -30,7 +30,7 @@ from typing import Any
 
 from . import agents, components, records, report, runner
 from .env import backend, default_preset, git_commit
-from .peers import PEERS
+from .peers import HTTP_PEERS, PEERS
 from .report import NATIVE_BATCH as NATIVE_BATCH  # the reference of the concurrency part's ids
 from .results import Results
 
@@ -60,7 +60,7 @@ class Plan:
     concurrency: list[int] = field(default_factory=list)
     concurrency_note: str = ""
     agent: bool = True
-    #: the HTTP peer the concurrency and agent parts compare with, unless --peers leaves it out
+    #: the HTTP peers the concurrency and agent parts compare with, unless --peers leaves them out
     http_peers: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -96,7 +96,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if n not in PEERS:
             plan.skipped[n] = f"unknown peer; choose from {', '.join(PEERS)} (or none)"
     peer_names = [n for n in peer_names if n in PEERS]
-    plan.http_peers = [n for n in ("mlx_lm.server",) if not peers_given or n in peer_names]
+    plan.http_peers = [n for n in HTTP_PEERS if not peers_given or n in peer_names]
     want_agent = any(getattr(args, k) is not None for k in AGENT_FLAGS) or bool(args.agent_mlxrt_args)
     if args.only:
         only = _names(args.only)
@@ -215,8 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         metavar="BYTES",
         help="the prompt cache's byte cap on every server of the part (mlxrt serve's and mlx_lm.server's"
-        " flag of that name, which on mlx_lm.server counts the running batch too; default: each"
-        " server's own)",
+        " flag of that name, which on mlx_lm.server counts the running batch too; vllm-mlx's"
+        " --cache-memory-mb; default: each server's own)",
     )
     a.add_argument(
         "--agent-mlxrt-args",

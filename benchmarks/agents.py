@@ -12,7 +12,8 @@ the prompt tokens and, where the server reports it,
 ``usage.prompt_tokens_details.cached_tokens``. The reference is the uncached
 TTFT: every agent's final-turn prompt sent alone, one at a time, to a fresh
 server of the same kind with its prompt cache off (``mlxrt serve
---prompt-cache-bytes 0``, ``mlx_lm.server --prompt-cache-size 0``). A turn's
+--prompt-cache-bytes 0``, ``mlx_lm.server --prompt-cache-size 0``, ``vllm-mlx serve
+--disable-prefix-cache``). A turn's
 TTFT over it says what reuse saved; turn TTFTs also include waiting behind the
 other agents' work, which the lone uncached request does not.
 
@@ -31,12 +32,13 @@ default. ``NAME=value`` words leading ARGS set the server's environment instead,
 final-turn prompts where the replies are the same).
 
 Each server keeps its own prompt cache cap unless ``prompt_cache_bytes`` gives
-one to all (``--prompt-cache-bytes``, the flag of that name on both servers;
-mlx_lm.server counts its running batch's KV against it, mlxrt only what it
-stores).
+one to all (``--prompt-cache-bytes``, the flag of that name on mlxrt serve and
+mlx_lm.server; vllm-mlx's ``--cache-memory-mb``, in MiB; mlx_lm.server counts its
+running batch's KV against it, mlxrt only what it stores).
 
 Greedy, ``max_tokens`` = R; mlxrt gets ``ignore_eos``; mlx_lm.server runs with
-its EOS ids cleared (`benchmarks.http_scenario`). Each reply's token count is
+its EOS ids cleared, vllm-mlx with its scheduler's stop tokens emptied
+(`benchmarks.http_scenario`). Each reply's token count is
 recorded all the same. Rounds alternate the servers, each round starting one
 server further along (A B C, B C A, C A B): no server always runs first (on an
 H200 the first of each round ran at 0.87x the next, the same engine with a trace
@@ -69,8 +71,9 @@ QUICK = {"agents": 2, "turns": 2, "reply_tokens": 16, "system_words": 150}
 USER_WORDS = 24  # words of corpus text in each user message
 WARMUP_TOKENS = 4
 HTTP_TIMEOUT_S = 600.0
-NO_CACHE_ARGS = {"mlxrt-http": ["--prompt-cache-bytes", "0"], "mlx_lm.server": ["--prompt-cache-size", "0"]}
-SERVERS = ("mlxrt-http", "mlx_lm.server")  # mlxrt serve, then the peer
+NO_CACHE_ARGS = {"mlxrt-http": ["--prompt-cache-bytes", "0"], "mlx_lm.server": ["--prompt-cache-size", "0"],
+                 "vllm-mlx": ["--disable-prefix-cache"]}
+SERVERS = ("mlxrt-http", "mlx_lm.server", "vllm-mlx")  # mlxrt serve, then the peers
 NATIVE = "native-engine"  # mlxrt's Engine in-process: the agent part's native baseline
 
 Messages = list[dict[str, str]]
@@ -102,9 +105,15 @@ def variant_name(args: list[str]) -> str:
     return shlex.join([SERVERS[0], *args])
 
 
-def cap_args(sizes: Sizes) -> list[str]:
-    """The servers' flags for `sizes`' prompt cache cap (none when each keeps its own default)."""
-    return [] if sizes.prompt_cache_bytes is None else ["--prompt-cache-bytes", str(sizes.prompt_cache_bytes)]
+def cap_args(sizes: Sizes, server: str = SERVERS[0]) -> list[str]:
+    """`server`'s flags for `sizes`' prompt cache cap (none when each keeps its own default): vllm-mlx
+    takes its cache's memory in MiB (``--cache-memory-mb``), the others bytes."""
+    n = sizes.prompt_cache_bytes
+    if n is None:
+        return []
+    if server == "vllm-mlx":
+        return ["--cache-memory-mb", str(max(1, n >> 20))]
+    return ["--prompt-cache-bytes", str(n)]
 
 
 @dataclass(kw_only=True)
@@ -475,11 +484,12 @@ def same_replies(a: list[Reply], b: list[Reply]) -> float | None:
 def _factories(
     model_path: str, sizes: Sizes, variants: Sequence[list[str]]
 ) -> dict[str, Callable[[list[str]], Any]]:
-    from .http_scenario import HttpStream, MlxLmServer, leading_env
+    from .http_scenario import HttpStream, MlxLmServer, VllmMlxServer, leading_env
 
     out: dict[str, Callable[[list[str]], Any]] = {
         "mlxrt-http": lambda extra: HttpStream(model_path, extra_args=extra),
         "mlx_lm.server": lambda extra: MlxLmServer(model_path, extra_args=extra),
+        "vllm-mlx": lambda extra: VllmMlxServer(model_path, extra_args=extra),
         NATIVE: lambda extra: NativeAgents(model_path, prompt_cache_bytes=sizes.prompt_cache_bytes),
     }
     for args in variants:
@@ -641,7 +651,7 @@ def run_part(
     live: dict[str, Any] = {}
     info: dict[str, Any] = {}
     for name in servers:
-        s, why = _start(lambda n=name: make[n](cap_args(sizes)), name, say)
+        s, why = _start(lambda n=name: make[n](cap_args(sizes, n)), name, say)
         if s is None:
             out["skipped"][name] = why
         else:

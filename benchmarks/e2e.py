@@ -15,7 +15,7 @@ from . import report
 from .env import default_preset
 from .gate import BatchGate, Gate, first_divergence
 from .measure import Run, peak_rss_bytes
-from .peers import LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
+from .peers import HTTP_PEERS, LlamaCpp, Ollama, http_scenarios, make_http, peer_pid
 from .scenarios import Embedded, Native, Skipped
 
 WARMUP_TOKENS = 16
@@ -133,7 +133,7 @@ class EndToEnd:
         self.make_prompts()
         http, http_why = (
             http_scenarios()
-            if ({"mlxrt-http", "mlx_lm.server"} & {*self.plan.scenarios, *self.plan.peers})
+            if ({"mlxrt-http", *HTTP_PEERS} & {*self.plan.scenarios, *self.plan.peers})
             else ({}, None)
         )
         for name in self.plan.scenarios[1:]:
@@ -146,7 +146,7 @@ class EndToEnd:
                 self.setup(name, lambda n=name: Embedded(path, n.removeprefix("mlxrt-")))
         parallel = max(self.plan.concurrency or [1])
         factories = {
-            "mlx_lm.server": lambda: make_http(http["mlx_lm.server"], path),
+            **{n: lambda n=n: make_http(http[n], path) for n in HTTP_PEERS},
             "llama.cpp": lambda: LlamaCpp(
                 path,
                 tokenizer=self.tokenizer,
@@ -156,8 +156,8 @@ class EndToEnd:
             "ollama": lambda: Ollama(path, tokenizer=self.tokenizer),
         }
         for name in self.plan.peers:
-            if name == "mlx_lm.server" and name not in http:
-                self.skip(name, http_why or "benchmarks.http_scenario has no MlxLmServer")
+            if name in HTTP_PEERS and name not in http:
+                self.skip(name, http_why or f"benchmarks.http_scenario has no {name}")
                 continue
             self.setup(name, factories[name])
 

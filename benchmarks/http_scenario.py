@@ -1,9 +1,9 @@
-"""Streaming over HTTP: ``mlxrt serve`` and, for comparison, mlx-lm's own ``mlx_lm.server``.
+"""Streaming over HTTP: ``mlxrt serve`` and, for comparison, mlx-lm's own ``mlx_lm.server`` and vllm-mlx.
 
-Both start a server subprocess on a free loopback port in ``setup()``, stream
-greedy completions from ``/v1/completions`` in ``run()`` and are timed by the
+Each starts a server subprocess on a free loopback port in ``setup()``, streams
+greedy completions from ``/v1/completions`` in ``run()`` and is timed by the
 same clock (`benchmarks.measure`) as every other scenario. The client is the
-same on both sides: stdlib ``http.client`` on loopback, one connection per
+same for all: stdlib ``http.client`` on loopback, one connection per
 request (as `benchmarks.peers` does), each SSE event parsed with msgspec.
 
 - `HttpStream` sends the prompt as token ids with ``ignore_eos`` and reads the
@@ -18,8 +18,11 @@ request (as `benchmarks.peers` does), each SSE event parsed with msgspec.
   tokens are unknown.
   Its token list is ``[-1] * n``: ``token_checked = False``. EOS is disabled
   the way `Native` does it, by clearing the tokenizer's EOS ids after load.
+- `VllmMlxServer` is timed as `MlxLmServer` is (text in, an event per token),
+  from a site directory of its own (`vllm_mlx_site`); EOS is off through its
+  scheduler's stop tokens.
 
-Both take ``extra_args`` for their command line (the agent part starts each
+All take ``extra_args`` for their command line (the agent part starts each
 with its prompt cache off for the uncached reference) and say how an
 OpenAI client reaches them: ``base_url``, ``model`` and ``chat_extra``.
 """
@@ -336,24 +339,106 @@ class MlxLmServer(_ServerProcess):
         return {"server": "mlx_lm.server", "eos": "off (EOS ids cleared after load)", "args": self.extra_args}
 
     def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
-        body = {
-            "model": "default_model",
-            "prompt": self.tokenizer.decode(prompt_ids),
-            "max_tokens": gen_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        start = time.perf_counter()
-        arr = Arrivals(start)
-        usage = _Usage()
-        for c in _sse(self.port, "/v1/completions", body):
-            if c.usage is not None:
-                usage = c.usage
-            elif c.choices and c.choices[0].text:
-                arr.add(count=1)  # one event per token that has text
-        n = usage.completion_tokens or arr.n
-        return arr.run(prompt_tokens=usage.prompt_tokens, n_tokens=n, tokens=[-1] * n)
+        return _text_run(self.port, self.model, self.tokenizer.decode(prompt_ids), gen_tokens)
+
+
+def _text_run(port: int, model: str, prompt: str, gen_tokens: int) -> Run:
+    """A greedy completion of `prompt` (text: the server tokenises it) streamed from a server that sends one
+    event per generated token with text, and the usage at the end (in a chunk of its own, mlx_lm.server, or
+    with the last token's, vllm-mlx): the count is the usage's, the arrivals those of the events with text."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": gen_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    arr = Arrivals(start)
+    usage = _Usage()
+    for c in _sse(port, "/v1/completions", body):
+        if c.choices and c.choices[0].text:
+            arr.add(count=1)  # one event per token that has text
+        if c.usage is not None:
+            usage = c.usage
+    n = usage.completion_tokens or arr.n
+    return arr.run(prompt_tokens=usage.prompt_tokens, n_tokens=n, tokens=[-1] * n)
+
+
+#: vllm-mlx pins an mlx-lm of its own (0.31 for 0.6.0), so it is not installed beside mlxrt: this names a site
+#: directory holding it (``pip install --no-deps --target DIR vllm-mlx==0.6.0 mlx-lm==0.31.3`` and the few
+#: modules it adds: `make peers`), put first on its server's path; the rest comes from this venv.
+VLLM_MLX_SITE_ENV = "MLXRT_BENCH_VLLM_MLX_SITE"
+#: Where `make peers` (run by `make test` and `make bench`) installs it; used when the variable is not set.
+VLLM_MLX_SITE_DEFAULT = Path(__file__).resolve().parent.parent / ".peers" / "vllm-mlx"
+
+
+def vllm_mlx_site() -> tuple[str | None, str]:
+    """The site directory vllm-mlx runs from and its version, or None and why there is none."""
+    site = os.environ.get(VLLM_MLX_SITE_ENV) or str(VLLM_MLX_SITE_DEFAULT)
+    found = sorted(Path(site).glob("vllm_mlx-*.dist-info"))
+    if not found:
+        return None, (f"vllm-mlx is not installed in {site} (set {VLLM_MLX_SITE_ENV} to a site directory "
+                      f"with vllm-mlx and its mlx-lm, or run `make peers`)")
+    return site, found[-1].name.removeprefix("vllm_mlx-").removesuffix(".dist-info")
+
+
+class VllmMlxServer(_ServerProcess):
+    """vllm-mlx's OpenAI server in its batching mode (``serve --continuous-batching``, as its README runs
+    it for several users), from its own site directory (`vllm_mlx_site`), on the same model. Like
+    mlx_lm.server it takes text and sends text (``token_checked = False``); EOS is off through its
+    scheduler, whose stop tokens the launcher empties, as mlx_lm.server's launcher clears the EOS ids."""
+
+    name = "vllm-mlx"
+    token_checked = False
+    chat_extra: dict[str, Any] = {}
+    #: ``--disable-prefix-cache``: its cache off, for the agent part's uncached reference.
+    no_cache_args = ("--disable-prefix-cache",)
+
+    LAUNCHER = (
+        "import sys, vllm_mlx.scheduler as s\n"
+        "s.Scheduler._get_stop_tokens = lambda self: set()\n"
+        "from vllm_mlx.cli import main\n"
+        "sys.argv[0] = 'vllm-mlx'\n"
+        "main()\n"
+    )
+
+    def __init__(self, model_path: str, *, extra_args: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.model_path = self.model = model_path  # its served name is the path it loaded
+        self.extra_args = list(extra_args)
+        self.tokenizer = None
+        self.site, self.version = vllm_mlx_site()
+
+    def setup(self) -> None:
+        if self.site is None:
+            raise Skipped(self.version)
+        from mlx_lm.utils import load_tokenizer
+
+        self.tokenizer = load_tokenizer(Path(self.model_path))
+        self.port = _free_port()
+        path = os.pathsep.join(x for x in (self.site, os.environ.get("PYTHONPATH", "")) if x)
+        # HOME of its own: vllm-mlx keeps caches under ~/.cache/vllm-mlx, which no later run should find
+        self._home = tempfile.TemporaryDirectory(prefix="mlxrt-bench-vllm-mlx-")
+        self._start(
+            [sys.executable, "-c", self.LAUNCHER, "serve", self.model_path, "--continuous-batching",
+             "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args],
+            {"PYTHONPATH": path, "HOME": self._home.name},
+        )
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_home", None) is not None:
+            self._home.cleanup()
+            self._home = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"server": f"vllm-mlx {self.version} (serve --continuous-batching)", "site": self.site,
+                "eos": "off (its scheduler's stop tokens emptied)", "args": self.extra_args}
+
+    def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
+        return _text_run(self.port, self.model, self.tokenizer.decode(prompt_ids), gen_tokens)
 
 
 def serve_accepts(flag: str) -> bool:

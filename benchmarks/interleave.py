@@ -7,8 +7,8 @@ Every prompt is distinct (its own corpus paragraph), so no prefix is reused. Per
 round (targets interleaved within a round): A's longest gap between two tokens, C's and B's TTFT in
 the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler at its default budget; on
 CUDA its chunks on the grid of `prefill.ChunkSizer`), the same engine with ``prefill_budget_ms=0``
-(mlx-lm's prefill), mlx-lm's `BatchGenerator`, ``mlxrt serve`` and ``mlx_lm.server`` (``--no-http``
-leaves the last two out). Greedy, EOS off.
+(mlx-lm's prefill), mlx-lm's `BatchGenerator`, ``mlxrt serve`` and the peers of ``--peers``:
+``mlx_lm.server`` and vllm-mlx (``--no-http`` leaves the servers out). Greedy, EOS off.
 ``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
 
 Writes the whole document to ``--out`` and ends with the table, that path and a one-line summary.
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .env import describe
+from .peers import HTTP_PEERS
 
 GEN_B = GEN_C = 8
 
@@ -179,13 +180,24 @@ class HttpTarget:
         self.server.close()
 
 
-def make_targets(model: str, model_path: str, http: bool) -> list[Any]:
+def make_targets(model: str, model_path: str, http: bool, peers: list[str],
+                 skipped: dict[str, str]) -> list[Any]:
+    """The targets; a peer that cannot run here is left out, and why is put in `skipped`."""
     targets: list[Any] = [EngineTarget("mlxrt engine", model, None),  # auto: the scheduler, on every backend
                           EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
     if http:
-        from .http_scenario import HttpStream, MlxLmServer
+        from .http_scenario import HttpStream
+        from .peers import http_scenarios
+        from .scenarios import Skipped
 
-        targets += [HttpTarget(HttpStream(model_path)), HttpTarget(MlxLmServer(model_path))]
+        targets.append(HttpTarget(HttpStream(model_path)))
+        classes, _ = http_scenarios()
+        for name in peers:
+            try:
+                targets.append(HttpTarget(classes[name](model_path)))
+            except Skipped as exc:
+                skipped[name] = str(exc)
+                print(f"{name}: skipped: {exc}", file=sys.stderr, flush=True)
     return targets
 
 
@@ -193,7 +205,8 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     from .e2e import make_prompt, model_tokenizer
 
     path, tok = model_tokenizer(args.model)
-    targets = make_targets(args.model, path, args.http)
+    skipped: dict[str, str] = {}
+    targets = make_targets(args.model, path, args.http, args.peers, skipped)
     rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
     try:
         for r in range(args.rounds):
@@ -218,7 +231,8 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     medians = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
                for name, runs in rows.items() if runs}
     return {"benchmark": "mlxrt-interleave", "config": vars(args), "rounds": rows, "medians": medians,
-            "env": describe()}
+            "skipped": skipped, "servers": {t.name: t.server.describe() for t in targets
+                                            if isinstance(t, HttpTarget)}, "env": describe()}
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -234,6 +248,14 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _peers(text: str) -> list[str]:
+    names = [] if text == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in HTTP_PEERS]:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown)}; choose from "
+                                         f"{', '.join(HTTP_PEERS)} (or none)")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.interleave", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="synthetic:small")
@@ -245,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-after-s", type=float, default=1.0)
     p.add_argument("--c-after-s", type=float, default=0.3)
     p.add_argument("--no-http", dest="http", action="store_false", help="in-process targets only")
+    p.add_argument("--peers", type=_peers, default=list(HTTP_PEERS),
+                   help="the MLX servers beside mlxrt serve, comma-separated, or none (default: "
+                        "mlx_lm.server,vllm-mlx; vllm-mlx runs from its own site directory, see "
+                        "benchmarks.http_scenario.vllm_mlx_site, and is skipped with the reason where it "
+                        "has none)")
     p.add_argument("--alone", action="store_true", help="only B, alone: what the chunk size costs")
     p.add_argument("--out", default="interleave.json")
     args = p.parse_args(argv)

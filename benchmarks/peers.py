@@ -1,4 +1,4 @@
-"""Other servers, timed the same way as mlxrt: Ollama, llama.cpp, and mlx-lm's server.
+"""Other servers, timed the same way as mlxrt: Ollama, llama.cpp, mlx-lm's server and vllm-mlx.
 
 Each peer is a scenario (``setup/run/close``, see `benchmarks.scenarios`) that
 runs on the same weights: llama.cpp and Ollama get a GGUF export of the model
@@ -32,7 +32,10 @@ from urllib.parse import urlsplit
 from .measure import Arrivals, Run, peak_rss_bytes
 from .scenarios import Skipped
 
-PEERS = ("mlx_lm.server", "llama.cpp", "ollama")
+PEERS = ("mlx_lm.server", "vllm-mlx", "llama.cpp", "ollama")
+#: The peers that are MLX servers over HTTP (`benchmarks.http_scenario`): the bursts', the agent part's
+#: and the long-prompt mix's peers as well as the single stream's.
+HTTP_PEERS = ("mlx_lm.server", "vllm-mlx")
 DEFAULT_OLLAMA_HOST = "127.0.0.1:11434"
 DEFAULT_START_TIMEOUT_S = 120.0  # MLXRT_BENCH_PEER_START_S
 HTTP_TIMEOUT_S = 300.0
@@ -531,7 +534,8 @@ def http_scenarios() -> tuple[dict[str, type], str | None]:
     except ImportError as exc:
         return {}, f"not available ({exc})"
     found = {}
-    for cls_name, key in (("HttpStream", "mlxrt-http"), ("MlxLmServer", "mlx_lm.server")):
+    for cls_name, key in (("HttpStream", "mlxrt-http"), ("MlxLmServer", "mlx_lm.server"),
+                          ("VllmMlxServer", "vllm-mlx")):
         cls = getattr(http_scenario, cls_name, None)
         if cls is not None:
             found[key] = cls

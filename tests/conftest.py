@@ -28,7 +28,7 @@ SCRIPTED_SERVER_MODULES = {"test_anthropic", "test_responses", "test_tools_http"
 # Files that take longest (seconds of a fresh-clone run), started first: a process free early takes the
 # next file, so the last files to start are short ones and the processes end together.
 SLOWEST_FIRST = ["test_bench", "test_faults", "test_supervisor", "test_engine", "test_vision", "test_group",
-                 "test_resume", "test_http",
+                 "test_resume", "test_http", "test_bench_peers",
                  "test_agent_clis", "scripted_server", "test_ring", "test_batching", "test_speculative",
                  "test_options", "test_soak", "test_synthetic", "test_client_compat", "test_spares",
                  "test_prompt_file", "test_embeddings", "test_runtime", "test_kv_options",

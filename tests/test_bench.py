@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the check
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import __main__ as bench  # noqa: E402
-from benchmarks import agents, e2e, families, measure, records, report, runner  # noqa: E402
+from benchmarks import agents, e2e, families, http_scenario, measure, records, report, runner  # noqa: E402
 from benchmarks.peers import Ollama, ollama_base  # noqa: E402
 from benchmarks.scenarios import Native, NativeBatch, Skipped  # noqa: E402
 
@@ -171,7 +171,7 @@ def test_default_plan_runs_everything():
     """The default suite has every scenario, peer and part; concurrency at 1, 4 and 16 streams on a CPU."""
     plan = bench.make_plan(bench.parse_args([]))
     assert plan.scenarios == list(bench.SCENARIOS) and plan.peers == list(bench.PEERS) and plan.components
-    assert plan.concurrency == [1, 4, 16] and plan.agent and plan.http_peers == ["mlx_lm.server"]
+    assert plan.concurrency == [1, 4, 16] and plan.agent and plan.http_peers == ["mlx_lm.server", "vllm-mlx"]
     assert bench.make_plan(bench.parse_args(["--concurrency", "none"])).concurrency == []
     only = bench.make_plan(bench.parse_args(["--only", "concurrency", "--concurrency", "2,1"]))
     assert only.concurrency == [1, 2] and only.scenarios == ["native"] and not only.components
@@ -183,10 +183,12 @@ def test_part_streams_and_full_choose_the_parts_and_sizes():
     """--part picks parts alone, --streams names the stream counts, --full adds 32 streams and full agents."""
     agent = bench.make_plan(bench.parse_args(["--part", "agent", "--peers", "none"]))
     assert agent.agent and agent.scenarios == [] and agent.concurrency == [] and not agent.components
-    assert agent.http_peers == []  # --peers none leaves mlx_lm.server out of the parts too
+    assert agent.http_peers == []  # --peers none leaves the MLX servers out of the parts too
     conc = bench.make_plan(bench.parse_args(["--part", "concurrency", "--streams", "4,1"]))
     assert conc.concurrency == [1, 4] and conc.scenarios == ["native"] and not conc.agent
-    assert conc.http_peers == ["mlx_lm.server"]
+    assert conc.http_peers == ["mlx_lm.server", "vllm-mlx"]
+    vllm = bench.make_plan(bench.parse_args(["--part", "concurrency", "--peers", "vllm-mlx"]))
+    assert vllm.http_peers == ["vllm-mlx"] and vllm.peers == [] and "vllm-mlx" not in vllm.skipped
     # --peers names the parts' peer; single-stream rounds run only where --part asks for them
     agent_peer = bench.make_plan(bench.parse_args(["--part", "agent", "--peers", "mlx_lm.server"]))
     assert agent_peer.http_peers == ["mlx_lm.server"] and agent_peer.peers == agent_peer.scenarios == []
@@ -819,8 +821,13 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
             "rounds": 1, "warmup_rounds": 0, "prompt_cache_bytes": CAP}
     assert ag["sizes"] == want  # no warm-up round on a CPU
     variant = "mlxrt-http MLX_CUDA_USE_CUDNN_SDPA=0 --gather-ms=0"
-    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", variant, "mlx_lm.server", agents.NATIVE}
+    assert set(ag["servers"]) | set(ag["skipped"]) == {"mlxrt-http", variant, "mlx_lm.server", "vllm-mlx",
+                                                       agents.NATIVE}
     assert {"mlxrt-http", variant} <= set(ag["servers"]), (ag["skipped"], proc.stderr[-3000:])
+    if os.environ.get("CI") or http_scenario.vllm_mlx_site()[0] is not None:  # `make test` installs it
+        assert "vllm-mlx" in ag["servers"], (ag["skipped"], proc.stderr[-3000:])
+        assert all(r["reply_tokens"] == 4 for r in ag["servers"]["vllm-mlx"]["requests"])  # its EOS off
+        assert ag["servers"]["vllm-mlx"]["uncached"]["ttft_ms"]["n"] == 2  # --disable-prefix-cache
     for sv in ag["servers"].values():
         t1, t2 = sv["turns"]
         assert t1["ttft_ms"]["n"] == t2["ttft_ms"]["n"] == 2 and t1["ttft_ms"]["median"] > 0
@@ -832,8 +839,10 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     assert all(r["reply_tokens"] == 4 for r in ag["servers"]["mlxrt-http"]["requests"])  # ignore_eos
     assert ag["servers"]["native-engine"]["uncached"] is None  # the in-process engine has no cache-off run
     assert ag["servers"]["native-engine"]["info"]["prompt_cache_bytes"] == CAP
-    for name in set(ag["servers"]) - {"native-engine", variant}:
-        assert ag["servers"][name]["info"]["args"] == ["--prompt-cache-bytes", str(CAP)], name
+    for name in set(ag["servers"]) - {"native-engine", variant}:  # vllm-mlx's cache cap is in MiB
+        want = (["--cache-memory-mb", str(CAP >> 20)] if name == "vllm-mlx"
+                else ["--prompt-cache-bytes", str(CAP)])
+        assert ag["servers"][name]["info"]["args"] == want, name
     assert ag["servers"][variant]["info"]["args"] == ["--prompt-cache-bytes", str(CAP), "--gather-ms=0"]
     assert ag["servers"][variant]["info"]["env"] == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}  # not a flag
     v = ag["servers"][variant]  # its uncached reference: mlxrt-http's (the same server with its cache off)
@@ -863,7 +872,7 @@ def test_quick_suite_on_tiny_writes_the_whole_document(tmp_path):
         "--only",
         "native,mlxrt-ring,mlxrt-stdio,components,concurrency,ollama,nonsense",
         "--peers",
-        "ollama",  # leaves mlx_lm.server out of the concurrency part: the agent test starts it
+        "ollama",  # leaves the MLX servers out of the concurrency part: the agent test starts them
         "--json",
         str(out_json),
         "--log",
