@@ -107,12 +107,13 @@ def variant_name(args: list[str]) -> str:
 
 def cap_args(sizes: Sizes, server: str = SERVERS[0]) -> list[str]:
     """`server`'s flags for `sizes`' prompt cache cap (none when each keeps its own default): vllm-mlx
-    takes its cache's memory in MiB (``--cache-memory-mb``), the others bytes."""
+    takes its cache's memory in whole MiB (``--cache-memory-mb``, rounded up; a cap of 0 is its cache off),
+    the others bytes."""
     n = sizes.prompt_cache_bytes
     if n is None:
         return []
     if server == "vllm-mlx":
-        return ["--cache-memory-mb", str(max(1, n >> 20))]
+        return NO_CACHE_ARGS[server] if n == 0 else ["--cache-memory-mb", str(-(-n // (1 << 20)))]
     return ["--prompt-cache-bytes", str(n)]
 
 

@@ -19,8 +19,9 @@ were just written, so they are read from the OS's page cache, as after a server 
 reboot).
 
 ``--peers vllm-mlx`` runs the same three turns in the same round through vllm-mlx's server
-(``python -m vllm_mlx.cli serve PATH --continuous-batching``, its site directory first on the path
-from ``MLXRT_BENCH_VLLM_MLX_SITE``). vllm-mlx saves its prefix cache under ``~/.cache/vllm-mlx`` when
+(``python -m vllm_mlx.cli serve PATH --continuous-batching``, its site directory first on the path:
+`benchmarks.http_scenario.vllm_mlx_site`, ``.peers/vllm-mlx`` or ``MLXRT_BENCH_VLLM_MLX_SITE``).
+vllm-mlx saves its prefix cache under ``~/.cache/vllm-mlx`` when
 it stops and loads all of it back before it listens, so each of its turns is a server start (HOME a
 directory of the round's, so the cache is the round's alone), one streamed chat completion, and a
 SIGTERM that waits for the save; its restart cost is split between ``ready_s`` (start to listening,
@@ -45,6 +46,7 @@ from mlxrt import EngineOptions, Runtime
 
 from . import runner
 from .e2e import make_prompt, model_tokenizer
+from .http_scenario import vllm_mlx_site
 from .peers import ServerProcess, free_port, sse_events
 
 STUDY = "disk-restart"
@@ -91,7 +93,7 @@ def vllm_mlx_turn(model: str, messages: list[dict[str, str]], home: str, tokens:
     """One turn through a vllm-mlx server started over `home`, then stopped (its cache saved): TTFT (ms),
     start-to-listening (s), cached tokens as it reports them, and the reply's text."""
     port = free_port()
-    site = os.environ.get("MLXRT_BENCH_VLLM_MLX_SITE", "")
+    site = vllm_mlx_site()[0] or ""
     path = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH", "")) if x)
     t0 = time.perf_counter()
     server = ServerProcess(

@@ -49,7 +49,8 @@ import msgspec
 from .measure import Arrivals, Run, time_stream
 from .scenarios import Skipped
 
-READY_TIMEOUT_S = 300.0
+#: How long a server may take to answer its health check (MLXRT_BENCH_PEER_START_S, as for the other peers).
+READY_TIMEOUT_S = float(os.environ.get("MLXRT_BENCH_PEER_START_S", 300.0))
 STOP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 600.0
 MODEL_NAME = "bench"
@@ -201,7 +202,7 @@ class _ServerProcess:
                 raise Skipped(f"server exited with {self.proc.returncode}: {err}")
             if time.monotonic() > deadline:
                 self.close()
-                raise Skipped(f"server not ready within {READY_TIMEOUT_S:g} s")
+                raise Skipped(f"server not ready within {READY_TIMEOUT_S:g} s (MLXRT_BENCH_PEER_START_S)")
             time.sleep(0.1)
 
     def close(self) -> None:
@@ -343,9 +344,10 @@ class MlxLmServer(_ServerProcess):
 
 
 def _text_run(port: int, model: str, prompt: str, gen_tokens: int) -> Run:
-    """A greedy completion of `prompt` (text: the server tokenises it) streamed from a server that sends one
-    event per generated token with text, and the usage at the end (in a chunk of its own, mlx_lm.server, or
-    with the last token's, vllm-mlx): the count is the usage's, the arrivals those of the events with text."""
+    """A greedy completion of `prompt` (text: the server tokenises it), streamed, with the usage at the end
+    (in a chunk of its own, mlx_lm.server, or with the last token's, vllm-mlx). The count is the usage's;
+    each event with text is one arrival. mlx_lm.server sends an event per token; vllm-mlx merges the tokens
+    its engine made while the client was reading, so its arrivals (and gaps) are per event."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -393,12 +395,19 @@ class VllmMlxServer(_ServerProcess):
     name = "vllm-mlx"
     token_checked = False
     chat_extra: dict[str, Any] = {}
-    #: ``--disable-prefix-cache``: its cache off, for the agent part's uncached reference.
-    no_cache_args = ("--disable-prefix-cache",)
-
+    #: EOS off in both of its schedulers (a vision model's too, where mlx-vlm is there to import it), and
+    #: no save of its prefix cache at SIGTERM (into a HOME about to be removed: it would only delay the stop).
     LAUNCHER = (
-        "import sys, vllm_mlx.scheduler as s\n"
+        "import sys, vllm_mlx.scheduler as s, vllm_mlx.server as srv\n"
         "s.Scheduler._get_stop_tokens = lambda self: set()\n"
+        "try:\n"
+        "    import vllm_mlx.mllm_scheduler as ms\n"
+        "    ms.MLLMScheduler._get_stop_tokens = lambda self: set()\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "async def unsaved(*args, **kwargs):\n"
+        "    return None\n"
+        "srv._save_prefix_cache_to_disk = unsaved\n"
         "from vllm_mlx.cli import main\n"
         "sys.argv[0] = 'vllm-mlx'\n"
         "main()\n"

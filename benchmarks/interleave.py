@@ -172,33 +172,35 @@ class HttpTarget:
         if errors:
             raise errors[0]
         out = {f"ttft_{k}_ms": r.ttft_ms for k, r in runs.items()}
-        if "a" in runs:
-            out["a_longest_gap_ms"] = max(runs["a"].itl_ms, default=0.0)
+        if "a" in runs:  # between arrivals: a chunk of several tokens after a stall is one wait, not several
+            out["a_longest_gap_ms"] = runs["a"].longest_gap_ms
         return out
 
     def close(self) -> None:
         self.server.close()
 
 
-def make_targets(model: str, model_path: str, http: bool, peers: list[str],
-                 skipped: dict[str, str]) -> list[Any]:
-    """The targets; a peer that cannot run here is left out, and why is put in `skipped`."""
-    targets: list[Any] = [EngineTarget("mlxrt engine", model, None),  # auto: the scheduler, on every backend
-                          EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
+def make_targets(model: str, model_path: str, http: bool, peers: list[str], skipped: dict[str, str],
+                 targets: list[Any]) -> None:
+    """Append the targets to `targets` as each is ready (the caller closes those there, whatever happens);
+    a peer that cannot run here is left out, and why is put in `skipped`."""
+    targets += [EngineTarget("mlxrt engine", model, None),  # auto: the scheduler, on every backend
+                EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
     if http:
         from .http_scenario import HttpStream
         from .peers import http_scenarios
         from .scenarios import Skipped
 
         targets.append(HttpTarget(HttpStream(model_path)))
-        classes, _ = http_scenarios()
+        classes, why = http_scenarios()
         for name in peers:
             try:
+                if name not in classes:
+                    raise Skipped(why or f"benchmarks.http_scenario has no {name}")
                 targets.append(HttpTarget(classes[name](model_path)))
             except Skipped as exc:
                 skipped[name] = str(exc)
                 print(f"{name}: skipped: {exc}", file=sys.stderr, flush=True)
-    return targets
 
 
 def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
@@ -206,9 +208,10 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
 
     path, tok = model_tokenizer(args.model)
     skipped: dict[str, str] = {}
-    targets = make_targets(args.model, path, args.http, args.peers, skipped)
-    rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+    targets: list[Any] = []
     try:
+        make_targets(args.model, path, args.http, args.peers, skipped, targets)
+        rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
         for r in range(args.rounds):
             for k, t in enumerate(targets):
                 base = 1000 * r + 100 * k  # paragraphs of their own: no prefix shared with any other

@@ -31,6 +31,9 @@ class Run:
     #: figures the engine measured itself (worker Stats, Ollama eval_*, llama.cpp timings)
     engine: dict[str, Any] = field(default_factory=dict)
     text: str | None = None  # the generated text, for peers that return no ids
+    #: The longest wait between two arrivals, ms: what the client saw stall. `itl_ms` spreads a chunk's wait
+    #: over its tokens (k tokens after 1 s: k gaps of 1/k s), so its max can understate a stall.
+    longest_gap_ms: float = 0.0
     started_at: float = 0.0  # perf_counter() at the request, for concurrency windows
     ended_at: float = 0.0
 
@@ -75,6 +78,7 @@ class Arrivals:
         self.n = 0
         self.n_first = 0
         self.t_first = self.t_prev = 0.0
+        self.longest_gap_ms = 0.0
 
     def add(self, ids: list[int] | None = None, *, count: int | None = None) -> None:
         """Record tokens that arrived now: their ids, or only how many (text-only peers)."""
@@ -85,8 +89,9 @@ class Arrivals:
         if self.n == 0:
             self.t_first, self.n_first = now, n
         else:
-            gap = (now - self.t_prev) * 1e3 / n  # a chunk of k tokens: k equal gaps
-            self.itl_ms.extend([gap] * n)
+            wait = (now - self.t_prev) * 1e3
+            self.longest_gap_ms = max(self.longest_gap_ms, wait)
+            self.itl_ms.extend([wait / n] * n)  # a chunk of k tokens: k equal gaps
         self.t_prev = now
         self.n += n
         if ids is not None:
@@ -106,6 +111,7 @@ class Arrivals:
             total_s=end - self.start,
             itl_ms=self.itl_ms,
             n_tokens=n,
+            longest_gap_ms=self.longest_gap_ms,
             started_at=self.start,
             ended_at=end,
         )

@@ -63,17 +63,20 @@ def test_ratio_and_difference_are_paired_by_round():
 
 
 def test_arrivals_count_tokens_not_chunks(monkeypatch):
-    """A chunk of k tokens counts as k tokens, with k equal inter-token gaps."""
-    clock = iter([0.1, 0.4, 0.5])
+    """A chunk of k tokens counts as k tokens, with k equal inter-token gaps; the longest gap is the
+    longest wait between two arrivals, which the equal gaps would understate."""
+    clock = iter([0.1, 0.4, 0.45, 0.5])
     monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
     arr = measure.Arrivals(0.0)
     arr.add([7])
     arr.add([8, 9, 10])
+    arr.add([11])
     run = arr.run(prompt_tokens=20)
-    assert run.tokens == [7, 8, 9, 10] and run.n_tokens == 4
+    assert run.tokens == [7, 8, 9, 10, 11] and run.n_tokens == 5
     assert run.ttft_ms == pytest.approx(100.0)
-    assert run.decode_tps == pytest.approx(10.0)  # 3 tokens after the first, over 0.3 s
-    assert run.itl_ms == pytest.approx([100.0, 100.0, 100.0])
+    assert run.decode_tps == pytest.approx(4 / 0.35)  # 4 tokens after the first, over 0.35 s
+    assert run.itl_ms == pytest.approx([100.0, 100.0, 100.0, 50.0])
+    assert run.longest_gap_ms == pytest.approx(300.0)  # the chunk of 3 came after 0.3 s with nothing
     assert run.prompt_tps == pytest.approx(200.0)
 
 
@@ -177,6 +180,20 @@ def test_default_plan_runs_everything():
     assert only.concurrency == [1, 2] and only.scenarios == ["native"] and not only.components
     bad = bench.make_plan(bench.parse_args(["--concurrency", "1,x"]))
     assert bad.concurrency == [] and "expected numbers" in bad.skipped["concurrency"]
+
+
+def test_each_server_gets_the_agent_parts_prompt_cache_cap_in_its_own_flag():
+    """mlxrt serve and mlx_lm.server take bytes; vllm-mlx whole MiB, rounded up, and 0 is its cache off."""
+    def cap(n: int | None, server: str) -> list[str]:
+        sizes = agents.Sizes(agents=1, turns=1, reply_tokens=1, system_words=1, prompt_cache_bytes=n)
+        return agents.cap_args(sizes, server)
+
+    assert cap(None, "vllm-mlx") == cap(None, "mlxrt-http") == []
+    assert cap(50_000_000, "mlx_lm.server") == ["--prompt-cache-bytes", "50000000"]
+    assert cap(50_000_000, "vllm-mlx") == ["--cache-memory-mb", "48"]  # 47.7 MiB
+    assert cap(1 << 20, "vllm-mlx") == ["--cache-memory-mb", "1"]
+    assert cap(0, "vllm-mlx") == ["--disable-prefix-cache"]
+    assert cap(0, "mlxrt-http") == ["--prompt-cache-bytes", "0"]
 
 
 def test_part_streams_and_full_choose_the_parts_and_sizes():
@@ -840,7 +857,7 @@ def test_agent_part_on_tiny_writes_per_turn_figures(tmp_path):
     assert ag["servers"]["native-engine"]["uncached"] is None  # the in-process engine has no cache-off run
     assert ag["servers"]["native-engine"]["info"]["prompt_cache_bytes"] == CAP
     for name in set(ag["servers"]) - {"native-engine", variant}:  # vllm-mlx's cache cap is in MiB
-        want = (["--cache-memory-mb", str(CAP >> 20)] if name == "vllm-mlx"
+        want = (["--cache-memory-mb", "48"] if name == "vllm-mlx"  # 47.7 MiB, rounded up
                 else ["--prompt-cache-bytes", str(CAP)])
         assert ag["servers"][name]["info"]["args"] == want, name
     assert ag["servers"][variant]["info"]["args"] == ["--prompt-cache-bytes", str(CAP), "--gather-ms=0"]

@@ -28,9 +28,10 @@ def vllm_mlx_site() -> str:
     return site
 
 
-def test_vllm_mlx_without_its_site_is_skipped_with_the_knob_to_set(tmp_path, monkeypatch, tiny_model):
+def test_vllm_mlx_without_its_site_is_skipped_with_the_knob_to_set(tmp_path, monkeypatch):
+    """No vllm-mlx in the site named: the server is skipped before anything starts, naming the variable."""
     monkeypatch.setenv(http_scenario.VLLM_MLX_SITE_ENV, str(tmp_path))
-    server = http_scenario.VllmMlxServer(tiny_model)
+    server = http_scenario.VllmMlxServer(str(tmp_path / "no-model"))
     knob = http_scenario.VLLM_MLX_SITE_ENV
     with pytest.raises(Skipped, match=f"not installed in {tmp_path}.*{knob}.*make peers"):
         server.setup()
@@ -87,6 +88,7 @@ def test_the_long_prompt_mix_runs_every_target_and_peer_in_each_round(vllm_mlx_s
 
 
 def test_the_long_prompt_mix_leaves_out_a_peer_that_cannot_run_and_says_why(tmp_path):
+    """A peer with no site is skipped with the reason in the document and the log; the rest still run."""
     env = {**os.environ, http_scenario.VLLM_MLX_SITE_ENV: str(tmp_path)}
     out = tmp_path / "alone.json"
     cmd = [sys.executable, "-m", "benchmarks.interleave", "--model", "synthetic:tiny", "--rounds", "1",
@@ -101,6 +103,7 @@ def test_the_long_prompt_mix_leaves_out_a_peer_that_cannot_run_and_says_why(tmp_
 
 
 def test_the_long_prompt_mix_refuses_an_unknown_peer_naming_the_known_ones(capsys):
+    """--peers takes the MLX servers' names or none; anything else exits 2 naming the known ones."""
     with pytest.raises(SystemExit) as exc:
         interleave.main(["--peers", "mlx_lm.server,vllm"])
     assert exc.value.code == 2
