@@ -74,4 +74,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info bench-results soak-results
+	rm -rf $(VENV) .peers build *.egg-info bench-results soak-results

@@ -202,7 +202,7 @@ class _ServerProcess:
                 raise Skipped(f"server exited with {self.proc.returncode}: {err}")
             if time.monotonic() > deadline:
                 self.close()
-                raise Skipped(f"server not ready within {READY_TIMEOUT_S:g} s (MLXRT_BENCH_PEER_START_S)")
+                raise Skipped(f"server not ready within {READY_TIMEOUT_S:g} s (set MLXRT_BENCH_PEER_START_S)")
             time.sleep(0.1)
 
     def close(self) -> None:
