@@ -4,7 +4,7 @@
 #  1. bursts of 16 and 32 streams at the issue's sizes (512-token prompts, 256 tokens), paired rounds;
 #  2. the long-prompt mix, Llama 3.1 8B shape, B 25,000 tokens.
 #   source .gpu/b/install.sh > /tmp/install.log 2>&1; setsid bash THIS >/dev/null 2>&1 </dev/null &
-#   sleep 2; L=/tmp/lease1 bash docs/benchmarks/data/probes-s15/poll.sh 560
+#   sleep 2; L=/tmp/lease1 bash docs/benchmarks/data/probes-s16/poll.sh 540, then again for the rest
 cd "$(dirname "$0")/../../../.."
 L=${L:-/tmp/lease1}; mkdir -p $L
 exec > >(tee -a $L/progress.txt) 2>&1
