@@ -18,9 +18,10 @@ request (as `benchmarks.peers` does), each SSE event parsed with msgspec.
   tokens are unknown.
   Its token list is ``[-1] * n``: ``token_checked = False``. EOS is disabled
   the way `Native` does it, by clearing the tokenizer's EOS ids after load.
-- `VllmMlxServer` is timed as `MlxLmServer` is (text in, an event per token),
-  from a site directory of its own (`vllm_mlx_site`); EOS is off through its
-  scheduler's stop tokens.
+- `VllmMlxServer` is timed as `MlxLmServer` is (text in, the count from the
+  usage), but it merges the tokens made while the client reads into one event,
+  so its arrivals are per event. It runs from a site directory of its own
+  (`vllm_mlx_site`); EOS is off through its schedulers' stop tokens.
 
 All take ``extra_args`` for their command line (the agent part starts each
 with its prompt cache off for the uncached reference) and say how an
@@ -377,7 +378,7 @@ VLLM_MLX_SITE_DEFAULT = Path(__file__).resolve().parent.parent / ".peers" / "vll
 
 
 def vllm_mlx_site() -> tuple[str | None, str]:
-    """The site directory vllm-mlx runs from and its version, or None and why there is none."""
+    """(the site directory vllm-mlx runs from, its version), or (None, why there is none)."""
     site = os.environ.get(VLLM_MLX_SITE_ENV) or str(VLLM_MLX_SITE_DEFAULT)
     found = sorted(Path(site).glob("vllm_mlx-*.dist-info"))
     if not found:
@@ -418,11 +419,12 @@ class VllmMlxServer(_ServerProcess):
         self.model_path = self.model = model_path  # its served name is the path it loaded
         self.extra_args = list(extra_args)
         self.tokenizer = None
-        self.site, self.version = vllm_mlx_site()
+        self.site, found = vllm_mlx_site()
+        self.version, self._missing = (found, None) if self.site else (None, found)
 
     def setup(self) -> None:
-        if self.site is None:
-            raise Skipped(self.version)
+        if self._missing is not None:
+            raise Skipped(self._missing)
         from mlx_lm.utils import load_tokenizer
 
         self.tokenizer = load_tokenizer(Path(self.model_path))
@@ -444,7 +446,7 @@ class VllmMlxServer(_ServerProcess):
 
     def describe(self) -> dict[str, Any]:
         return {"server": f"vllm-mlx {self.version} (serve --continuous-batching)", "site": self.site,
-                "eos": "off (its scheduler's stop tokens emptied)", "args": self.extra_args}
+                "eos": "off (its schedulers' stop tokens emptied)", "args": self.extra_args}
 
     def run(self, prompt_ids: list[int], gen_tokens: int) -> Run:
         return _text_run(self.port, self.model, self.tokenizer.decode(prompt_ids), gen_tokens)
