@@ -57,15 +57,17 @@ class Slow:
 
 
 class Recording:
-    """The engine's model, noting each prefill call's (tokens, cache length after) in `ends`."""
+    """The engine's model, noting each prefill call's (tokens, cache length after) in `ends` and its
+    (rows, tokens) in `shapes`."""
 
     def __init__(self, model) -> None:
-        self._model, self.ends = model, []
+        self._model, self.ends, self.shapes = model, [], []
 
     def __call__(self, x, cache=None, **kw):
         out = self._model(x, cache=cache, **kw)
         if x.shape[-1] > 1:
             self.ends.append((x.shape[-1], cache[0].offset))
+            self.shapes.append(tuple(x.shape))
         return out
 
     def __getattr__(self, name):
@@ -429,7 +431,7 @@ def test_on_the_grid_the_scheduler_cuts_a_prompt_beside_a_stream_on_the_rung(tin
 
 def test_on_the_grid_what_fits_the_budget_goes_in_one_call(tiny_model, alone):
     """On the grid with a budget that holds them (a fast rate set), beside a decoding stream: a prompt's
-    rest after an odd cached prefix is one call, not a piece and a rung; three short prompts arriving
+    rest after an odd cached prefix is one call, not a piece and a rung; four short prompts arriving
     together are one call, past the chunk's tokens; each keeps its tokens alone."""
     engine, recording, rec = grid_engine(tiny_model, 10_000, rate=1e6)
     a, b = gen(2, short_prompt(0), max_tokens=30), gen(3, LONG[: 45 + STEP - 2], max_tokens=4)
@@ -437,12 +439,26 @@ def test_on_the_grid_what_fits_the_budget_goes_in_one_call(tiny_model, alone):
     assert [e for e in recording.ends if e[1] > len(short_prompt(0))] == [(STEP - 3, 45 + STEP - 3)]
     before = (engine.prefill_calls, engine.prefill_batched)
     c = gen(4, short_prompt(0), max_tokens=30)
-    shorts = [gen(5 + k, short_prompt(k + 1), max_tokens=3) for k in range(3)]  # 3 x 11 > STEP tokens
+    shorts = [gen(5 + k, short_prompt(k + 1), max_tokens=3) for k in range(4)]  # 4 x 11 > STEP tokens
     run(engine, rec, {0: [c], 2: shorts})
-    # one call for the three (c, alone then, went the fast path's way)
-    assert (engine.prefill_calls - before[0], engine.prefill_batched - before[1]) == (1, 3)
+    # one call for the four (c, alone then, went the fast path's way)
+    assert (engine.prefill_calls - before[0], engine.prefill_batched - before[1]) == (1, 4)
     for r in [a, b, c, *shorts]:
         assert rec.ids[r.id] == alone(r)
+
+
+def test_on_the_grid_a_burst_keeps_to_few_shapes(tiny_model, alone):
+    """On the grid, six prompts of 5 to 10 tokens arriving together are prefilled in calls of a power of
+    two of rows (four, then two), each padded to a multiple of CHUNK_MULTIPLE tokens, so the next burst,
+    split otherwise, meets the same shapes; each keeps its tokens alone."""
+    from mlxrt.worker.prefill import CHUNK_MULTIPLE
+
+    engine, recording, rec = grid_engine(tiny_model, 10_000, rate=1e6)
+    recording.shapes.clear()
+    burst = [gen(600 + k, short_prompt(k)[: 5 + k], max_tokens=4) for k in range(6)]
+    run(engine, rec, {0: burst})
+    assert recording.shapes == [(4, CHUNK_MULTIPLE), (2, CHUNK_MULTIPLE)]
+    assert all(rec.ids[r.id] == alone(r) for r in burst)
 
 
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):

@@ -18,7 +18,8 @@ one chunk at a time, and joins the batch at its last token (as a lone sequence i
 - **Short prompts together** (`batch_rows`, `run_rows`): where the prompt chosen next fits the chunk
   whole, the shortest others that fit beside it (padding counted, at most `prompt_concurrency`) join
   it in one call, right-padded as mlx-lm's `BatchGenerator` prefills a burst, each on its own cache
-  again after.
+  again after. On CUDA a call keeps to few shapes: rows a power of two, padded to a multiple of
+  `CHUNK_MULTIPLE` tokens.
 
 A chunk never crosses a segment boundary (`prompt_segments`), so the engine keeps its checkpoints
 (system prompt, end of prompt) and releases forked choices exactly where the batch would.
@@ -51,7 +52,8 @@ from .sequence import BatchStepError, Sequence, reseed
 #: The smallest chunk the budget may ask for: below it, per-call overheads outweigh the work.
 MIN_CHUNK_TOKENS = 32
 #: Budget-sized chunks are a multiple of this many tokens: a few shapes rather than one per size (a GPU
-#: backend compiles kernels per shape; the matmuls' row tiles are 16-64 rows).
+#: backend compiles kernels per shape; the matmuls' row tiles are 16-64 rows). On the grid, a batched
+#: call's rows are also padded to a multiple of it (`grid_width`).
 CHUNK_MULTIPLE = 64
 #: Chunks a waiting prompt may be passed over in a row before it goes next (the age bound).
 MAX_SKIPS = 8
@@ -135,10 +137,17 @@ def pick(prefills: list[Prefill]) -> Prefill:
     return min(prefills, key=lambda p: (p.remaining, p.order))
 
 
-def batch_rows(prefills: list[Prefill], first: Prefill, size: int, room: int, most: int) -> list[Prefill]:
+def batch_rows(prefills: list[Prefill], first: Prefill, size: int, room: int, most: int, *,
+               grid: bool = False) -> list[Prefill]:
     """The prompts to prefill in one call: `first` alone unless its current segment fits in `size`
     tokens; then with up to `most` - 1 others whose current segments fit beside it, fewest tokens left
-    first, `room` counting the padding (rows times the longest segment), as mlx-lm batches prompts."""
+    first, `room` counting the padding (rows times the longest segment), as mlx-lm batches prompts.
+
+    `grid` (CUDA): a call's shape is one of few, its width padded (`grid_width`, counted in `room`) and
+    its rows the largest power of two of those that fit, the others left for the next call. A burst
+    arrives split in ways of its own, and each (rows, width) not met before costs its graphs' builds: on
+    an H200, 16 rows of 511 tokens took 164-170 ms the first time and 87 the next
+    (docs/benchmarks/gpu-h200-s17.md)."""
     if first.ready or len(first.segments[0]) > size:
         return [first]
     rows, longest = [first], len(first.segments[0])
@@ -146,11 +155,17 @@ def batch_rows(prefills: list[Prefill], first: Prefill, size: int, room: int, mo
         if len(rows) >= most:
             break
         n = len(p.segments[0])
-        if p is first or p.ready or (len(rows) + 1) * max(longest, n) > room:
+        if p is first or p.ready or (len(rows) + 1) * grid_width(max(longest, n), grid) > room:
             continue
         rows.append(p)
         longest = max(longest, n)
-    return rows
+    return rows[: 1 << (len(rows).bit_length() - 1)] if grid else rows
+
+
+def grid_width(tokens: int, grid: bool = True) -> int:
+    """The width a batched call of rows up to `tokens` long is padded to: on the grid the next multiple
+    of `CHUNK_MULTIPLE`, else its longest row (mlx-lm's padding)."""
+    return -(-tokens // CHUNK_MULTIPLE) * CHUNK_MULTIPLE if grid else tokens
 
 
 def passed_over(prefills: list[Prefill], chosen: list[Prefill], seconds: float) -> None:
@@ -285,16 +300,17 @@ def run_chunk(model, p: Prefill, size: int, stream) -> tuple[int, float, bool]:
     return len(chunk), seconds, ended
 
 
-def run_rows(model, rows: list[Prefill], stream) -> tuple[int, float]:
+def run_rows(model, rows: list[Prefill], stream, width: int = 0) -> tuple[int, float]:
     """Prefill the current segment of every prompt in `rows` in one call, right-padded as mlx-lm's
-    `PromptProcessingBatch` does, each prompt on its own cache again after (`row_caches`); (tokens,
-    seconds). The caches are evaluated, so the seconds are the call's, and each row's own prefill time."""
+    `PromptProcessingBatch` does (to `width` tokens where that is wider: `padded_prompt`), each prompt on
+    its own cache again after (`row_caches`); (tokens, seconds). The caches are evaluated, so the seconds
+    are the call's, and each row's own prefill time."""
     chunks = [p.segments.pop(0) for p in rows]
     t0 = time.perf_counter()
     with mx.stream(stream):
         batch = PromptProcessingBatch(model, list(range(len(rows))), [p.cache for p in rows],
                                       prefill_step_size=max(len(c) for c in chunks))
-        batch.prompt(chunks)
+        padded_prompt(batch, chunks, width)
         caches = row_caches(batch, [p.ready and not p.kept for p in rows])
         mx.eval([c.state for cache in caches for c in cache])
     seconds = time.perf_counter() - t0
@@ -304,6 +320,24 @@ def run_rows(model, rows: list[Prefill], stream) -> tuple[int, float]:
         p.tokens += chunk
         p.seq.prefill_s += seconds
     return sum(len(c) for c in chunks), seconds
+
+
+def padded_prompt(batch: PromptProcessingBatch, chunks: list[list[int]], width: int) -> None:
+    """`batch.prompt(chunks)` in one call, every row right-padded to `width` tokens where that is wider
+    than the longest and every layer a `BatchKVCache` (padding other kinds is mlx-lm's alone): what
+    mlx-lm's `prompt` does for uneven rows, with more padding, which `finalize` moves to the left and
+    the attention masks out as it does the usual."""
+    lengths = [len(c) for c in chunks]
+    if width <= max(lengths) or not all(type(c) is BatchKVCache for c in batch.prompt_cache):
+        batch.prompt(chunks)
+        return
+    for held, chunk in zip(batch.tokens, chunks, strict=True):
+        held += chunk
+    for c in batch.prompt_cache:
+        c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+    batch.model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=batch.prompt_cache)
+    for c in batch.prompt_cache:
+        c.finalize()
 
 
 def row_caches(batch: PromptProcessingBatch, views: list[bool]) -> list[list]:
@@ -433,12 +467,15 @@ class PrefillScheduler:
             room = max(size, self.sizer.room(spent * 1e3))
             if self.prefill.call_tokens is not None:  # a mixture of experts on CUDA (limits.py)
                 room = min(room, self.prefill.call_tokens)  # at least `size`: a lone step is within it
-            rows = batch_rows(self._prefills, first, size, room, self.prefill.batch_prompts)
-            # The call's attention shape: rows padded to the longest segment, over the longest cache.
-            widest, cached = max(len(p.segments[0]) for p in rows), max(len(p.tokens) for p in rows)
+            grid = self.sizer.grid
+            rows = batch_rows(self._prefills, first, size, room, self.prefill.batch_prompts, grid=grid)
+            # The call's attention shape: rows padded to the longest segment (on the grid, further:
+            # `grid_width`), over the longest cache.
+            widest = grid_width(max(len(p.segments[0]) for p in rows), grid and len(rows) > 1)
+            cached = max(len(p.tokens) for p in rows)
             try:
                 if len(rows) > 1:
-                    n, seconds = run_rows(self.model, rows, self._batch.stream)
+                    n, seconds = run_rows(self.model, rows, self._batch.stream, widest)
                     ended = True
                 else:
                     n, seconds, ended = run_chunk(self.model, rows[0], size, self._batch.stream)

@@ -1,0 +1,48 @@
+# A throwaway probe of session 17 (not part of the harness): the prefill scheduler's calls as before session
+# 17, for an A/B in one run. Put this folder first on PYTHONPATH; a process started with
+#   PROBE_OLD_GRID=1  batches rows on the grid as before (any row count, padded to the longest row only),
+# e.g. `--burst-mlxrt-args=PROBE_OLD_GRID=1` for an mlxrt serve beside the others.
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+
+def patch_prefill(mod):
+    batch_rows = mod.batch_rows
+
+    def old_rows(prefills, first, size, room, most, *, grid=False):
+        return batch_rows(prefills, first, size, room, most)
+    mod.batch_rows = old_rows
+    mod.grid_width = lambda tokens, grid=True: tokens
+
+
+PATCHES = {"mlxrt.worker.prefill": patch_prefill} if os.environ.get("PROBE_OLD_GRID") else {}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, exec_module = spec.loader, spec.loader.exec_module
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                exec_module(module)
+                PATCHES[name](module)
+        spec.loader = _Loader()
+        return spec
+
+
+if PATCHES:
+    sys.meta_path.insert(0, _Finder())
