@@ -527,9 +527,20 @@ def test_a_burst_keeps_short_first_and_a_long_prompt_in_chunks(slowed, alone):
     assert rec.ids == want
 
 
-def test_a_burst_ready_together_joins_the_batch_in_one_step(tiny_model, alone):
+def test_a_burst_ready_together_joins_the_batch_in_one_step(tiny_model, alone, monkeypatch):
     """Six short prompts prefilled in one step, two to a call (`prompt_concurrency`), all get their first
-    tokens in that step, as their tokens alone."""
+    tokens in that step, as their tokens alone; the batch takes the three calls' caches whole, merging
+    no row of them one by one."""
+    from mlx_lm.models.cache import BatchKVCache
+    from mlxrt.worker.prefill import CallRow
+
+    merge, merged = BatchKVCache.merge.__func__, []
+
+    def spy(cls, caches):
+        merged.append(sum(type(c) is CallRow for c in caches))
+        return merge(cls, caches)
+
+    monkeypatch.setattr(BatchKVCache, "merge", classmethod(spy))
     engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=60_000, prefill_step_size=STEP,
                                                       prompt_cache_bytes=0, prompt_concurrency=2,
                                                       decode_concurrency=8))
@@ -540,6 +551,45 @@ def test_a_burst_ready_together_joins_the_batch_in_one_step(tiny_model, alone):
     firsts = {rec.events[:rec.first("token", s.id)].count(("step", 0)) for s in shorts}
     assert firsts == {0}  # no ("step", 0) before any first token: all came in step 0
     assert rec.ids == {s.id: alone(s) for s in shorts}
+    assert not any(merged)
+
+
+@pytest.mark.parametrize("family", ["tiny", "tiny-qwen3"])
+def test_the_rows_of_whole_calls_merge_as_mlx_lm_merges_them(family):
+    """The rows of two batched calls (three uneven rows and two), in a shuffled order: `whole_calls` gives
+    each row, at its place, the keys, values and length mlx-lm's merge of the same rows gives, and
+    refuses part of a call or a row of another kind (mlx-lm merges those)."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.generate import PromptProcessingBatch
+    from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+    from mlxrt.synthetic.build import ensure_model
+    from mlxrt.worker.prefill import row_caches, whole_calls
+
+    model = Engine(str(ensure_model(family)), options=EngineOptions(prompt_cache_bytes=0)).model
+
+    def call(chunks: list[list[int]]) -> list[list]:
+        batch = PromptProcessingBatch(model, list(range(len(chunks))),
+                                      [make_prompt_cache(model) for _ in chunks], prefill_step_size=16)
+        batch.prompt(chunks)
+        return row_caches(batch, [True] * len(chunks))
+
+    rows = call([short_prompt(1)[:5], short_prompt(2)[:9], short_prompt(3)[:3]])
+    rows += call([short_prompt(4)[:7], short_prompt(5)[:2]])
+    order = [3, 0, 4, 2, 1]
+    for layer in range(len(rows[0])):
+        caches = [rows[i][layer] for i in order]
+        whole = whole_calls(caches)
+        plain = BatchKVCache.merge([copy.deepcopy(c) for c in caches])  # a copy is a plain KVCache
+        assert whole is not None and whole.offset.tolist() == plain.offset.tolist()
+        for i in range(len(order)):
+            got, want = whole.extract(i), plain.extract(i)
+            assert got.offset == want.offset
+            assert mx.array_equal(got.keys, want.keys).item() and mx.array_equal(got.values, want.values).item()
+        assert whole_calls(caches[:-1]) is None
+        assert whole_calls([*caches[:-1], copy.deepcopy(caches[-1])]) is None
+    assert all(type(copy.deepcopy(c)) is KVCache for c in rows[0])
 
 
 def test_a_batched_prefill_that_fails_fails_its_rows_alone(tiny_model, alone):
@@ -575,7 +625,7 @@ def test_a_joining_rows_cache_is_mlx_lms_row_without_the_copy(family):
     from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import KVCache, make_prompt_cache
     from mlxrt.synthetic.build import ensure_model
-    from mlxrt.worker.prefill import row_caches
+    from mlxrt.worker.prefill import CallRow, row_caches
 
     model = Engine(str(ensure_model(family)), options=EngineOptions(prompt_cache_bytes=0)).model
     chunks = [short_prompt(1)[:5], short_prompt(2)[:9], short_prompt(3)[:3]]
@@ -589,14 +639,15 @@ def test_a_joining_rows_cache_is_mlx_lms_row_without_the_copy(family):
     batch, seen = call()
     for i, row in enumerate(seen):
         want = batch.extract_cache(i)
-        assert [type(c) for c in row] == [type(c) for c in want]
+        assert all(isinstance(c, type(w)) for c, w in zip(row, want, strict=True))
         assert not any(c is b for c in row for b in batch.prompt_cache)
         for c, w in zip(row, want, strict=True):
             got, exp = tree_flatten(c.state), tree_flatten(w.state)
             assert [k for k, _ in got] == [k for k, _ in exp]
             for (_, x), (_, y) in zip(got, exp, strict=True):
                 assert mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y
-        assert all(c.offset == len(chunks[i]) for c in row if type(c) is KVCache)
+        assert all(c.offset == len(chunks[i]) for c in row if isinstance(c, KVCache))
+        assert all(type(c) is CallRow for c in row if isinstance(c, KVCache)) == (i != 1)
     del batch, seen, row, want, c, w, got, exp, x, y
 
     def held(i: int) -> tuple[int, int]:

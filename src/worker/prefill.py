@@ -343,31 +343,77 @@ def padded_prompt(batch: PromptProcessingBatch, chunks: list[list[int]], width: 
 def row_caches(batch: PromptProcessingBatch, views: list[bool]) -> list[list]:
     """Each row's cache after a batched call, as mlx-lm's `extract_cache` gives it, but where `views`
     says so (a row that joins the decode batch at once, its cache kept nowhere): its `KVCache` layers as
-    views of the call's arrays, where mlx-lm's extract copies them.
+    views of the call's arrays (`CallRow`), where mlx-lm's extract copies them.
 
     The batch's merge copies a joining row in the next step, so a copy here would be a second one:
     16 rows x 4 layers handed on in 6.40 ms that way on a 2-core CPU, against 3.97 ms with views
-    (docs/benchmarks/data/probes-s14/extract.py). A view keeps the whole call's arrays alive until every
-    row has merged, within the step, so none goes where a cache is kept: a checkpoint, a forked choice's
-    start (`Prefill.kept`), or a row that goes on prefilling and may wait for steps.
+    (docs/benchmarks/data/probes-s14/extract.py); where the rows of whole calls join together, the merge
+    takes the calls' arrays as they are (`CallRow.merge`). A view keeps the whole call's arrays alive
+    until every row has merged, within the step, so none goes where a cache is kept: a checkpoint, a
+    forked choice's start (`Prefill.kept`), or a row that goes on prefilling and may wait for steps.
     """
     out: list[list] = [[] for _ in views]
     for layer in batch.prompt_cache:
         viewed = type(layer) is BatchKVCache and any(views)
         padding = layer.left_padding.tolist() if viewed else []
         for i, view in enumerate(views):
-            out[i].append(_row_view(layer, i, padding[i]) if view and viewed else layer.extract(i))
+            out[i].append(CallRow(layer, i, padding[i]) if view and viewed else layer.extract(i))
     return out
 
 
-def _row_view(c: BatchKVCache, i: int, padding: int) -> KVCache:
-    """Row `i` of `c`, `padding` on its left, as a `KVCache` over views of its arrays (`BatchKVCache.extract`
-    less its copy)."""
-    row = KVCache()
-    end = c.size()
-    row.keys, row.values = c.keys[i : i + 1, :, padding:end], c.values[i : i + 1, :, padding:end]
-    row.offset = row.keys.shape[2]
-    return row
+class CallRow(KVCache):
+    """Row `index` of a batched call's cache `call`, `padding` on its left, as a `KVCache` over views of
+    its arrays (`BatchKVCache.extract` less its copy), which knows its call.
+
+    mlx-lm's batch takes the prompts that join it together, merging their caches into one
+    (`BatchKVCache.merge`): two slice updates a row and layer, each an op to build and launch, 1.2 ms a
+    row on an H200's host (docs/benchmarks/gpu-h200-s13.md), and a join of 16-24 rows took 30-85 ms
+    there (docs/benchmarks/gpu-h200-s17.md). Where the caches merged are every row of one or more
+    calls, `merge` takes those calls' caches whole instead (`whole_calls`), as mlx-lm's own prefill hands
+    its prompt batch on; anything else is merged as mlx-lm does.
+    """
+
+    def __init__(self, call: BatchKVCache, index: int, padding: int) -> None:
+        super().__init__()
+        end = call.size()
+        self.keys = call.keys[index : index + 1, :, padding:end]
+        self.values = call.values[index : index + 1, :, padding:end]
+        self.offset = self.keys.shape[2]
+        self.call, self.index = call, index
+
+    @classmethod
+    def merge(cls, caches: list) -> BatchKVCache:
+        whole = whole_calls(caches)
+        return BatchKVCache.merge(caches) if whole is None else whole
+
+    def __deepcopy__(self, memo) -> KVCache:
+        """A copy holds this row alone, as a plain `KVCache` (a prefix cache's entry, say), not its call."""
+        row = KVCache()
+        row.keys, row.values, row.offset = copy.deepcopy(self.keys), copy.deepcopy(self.values), self.offset
+        return row
+
+
+def whole_calls(caches: list) -> BatchKVCache | None:
+    """`caches` as one `BatchKVCache` where they are every row of one or more batched calls (`CallRow`s,
+    in any order): the calls' caches as they are (each row left-padded to its call's width), joined as
+    mlx-lm joins two batches (`extend`) and put in `caches`' order; None where they are anything else."""
+    if not all(type(c) is CallRow for c in caches):
+        return None
+    calls = {id(c.call): c.call for c in caches}
+    rows = {(id(c.call), c.index) for c in caches}
+    if len(rows) != len(caches) or len(caches) != sum(call.offset.shape[0] for call in calls.values()):
+        return None
+    out, base = None, {}
+    for key, call in calls.items():
+        base[key] = 0 if out is None else out.offset.shape[0]
+        if out is None:
+            out = copy.copy(call)  # a new object over the call's arrays: `extend` and `filter` replace them
+        else:
+            out.extend(call)
+    order = [base[id(c.call)] + c.index for c in caches]
+    if order != list(range(len(order))):
+        out.filter(order)
+    return out
 
 
 class PrefillScheduler:

@@ -147,7 +147,7 @@ def patch_prefill(mod):
         ready_break(mod)
     if os.environ.get("PROBE_ROW_COPIES"):
         mod.row_caches = lambda batch, joining: [batch.extract_cache(i) for i in range(len(joining))]
-    mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s: {
+    mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s, *_: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
     mod.run_chunk = timed("chunk", mod.run_chunk,

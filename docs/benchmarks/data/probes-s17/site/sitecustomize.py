@@ -1,6 +1,8 @@
 # A throwaway probe of session 17 (not part of the harness): the prefill scheduler's calls as before session
 # 17, for an A/B in one run. Put this folder first on PYTHONPATH; a process started with
-#   PROBE_OLD_GRID=1  batches rows on the grid as before (any row count, padded to the longest row only),
+#   PROBE_OLD_GRID=1  batches rows on the grid as before (any row count, padded to the longest row only);
+#   PROBE_OLD_JOIN=1  merges the rows of the calls that join the batch one by one, as mlx-lm does
+#                     (no `CallRow.merge` of whole calls);
 # e.g. `--burst-mlxrt-args=PROBE_OLD_GRID=1` for an mlxrt serve beside the others.
 import importlib.abc
 import importlib.util
@@ -9,15 +11,19 @@ import sys
 
 
 def patch_prefill(mod):
-    batch_rows = mod.batch_rows
+    if os.environ.get("PROBE_OLD_GRID"):
+        batch_rows = mod.batch_rows
 
-    def old_rows(prefills, first, size, room, most, *, grid=False):
-        return batch_rows(prefills, first, size, room, most)
-    mod.batch_rows = old_rows
-    mod.grid_width = lambda tokens, grid=True: tokens
+        def old_rows(prefills, first, size, room, most, *, grid=False):
+            return batch_rows(prefills, first, size, room, most)
+        mod.batch_rows = old_rows
+        mod.grid_width = lambda tokens, grid=True: tokens
+    if os.environ.get("PROBE_OLD_JOIN"):
+        mod.whole_calls = lambda caches: None
 
 
-PATCHES = {"mlxrt.worker.prefill": patch_prefill} if os.environ.get("PROBE_OLD_GRID") else {}
+PATCHES = {"mlxrt.worker.prefill": patch_prefill} if any(
+    os.environ.get(k) for k in ("PROBE_OLD_GRID", "PROBE_OLD_JOIN")) else {}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
