@@ -585,8 +585,8 @@ def test_the_rows_of_whole_calls_merge_as_mlx_lm_merges_them(family):
         assert whole is not None and whole.offset.tolist() == plain.offset.tolist()
         for i in range(len(order)):
             got, want = whole.extract(i), plain.extract(i)
-            assert got.offset == want.offset
-            assert mx.array_equal(got.keys, want.keys).item() and mx.array_equal(got.values, want.values).item()
+            assert got.offset == want.offset and mx.array_equal(got.keys, want.keys).item()
+            assert mx.array_equal(got.values, want.values).item()
         assert whole_calls(caches[:-1]) is None
         assert whole_calls([*caches[:-1], copy.deepcopy(caches[-1])]) is None
     assert all(type(copy.deepcopy(c)) is KVCache for c in rows[0])
