@@ -3,6 +3,8 @@
 #   PROBE_OLD_GRID=1  batches rows on the grid as before (any row count, padded to the longest row only);
 #   PROBE_OLD_JOIN=1  merges the rows of the calls that join the batch one by one, as mlx-lm does
 #                     (no `CallRow.merge` of whole calls);
+#   PROBE_NO_CLEAR=1  the scheduler's prefill calls leave MLX's freed buffers cached (no mx.clear_cache()
+#                     after each: run_chunk, run_rows);
 # e.g. `--burst-mlxrt-args=PROBE_OLD_GRID=1` for an mlxrt serve beside the others.
 import importlib.abc
 import importlib.util
@@ -20,10 +22,20 @@ def patch_prefill(mod):
         mod.grid_width = lambda tokens, grid=True: tokens
     if os.environ.get("PROBE_OLD_JOIN"):
         mod.whole_calls = lambda caches: None
+    if os.environ.get("PROBE_NO_CLEAR"):
+        class KeepCache:
+            def __getattr__(self, name):
+                return getattr(mx, name)
+
+            @staticmethod
+            def clear_cache():
+                pass
+        mx = mod.mx
+        mod.mx = KeepCache()
 
 
 PATCHES = {"mlxrt.worker.prefill": patch_prefill} if any(
-    os.environ.get(k) for k in ("PROBE_OLD_GRID", "PROBE_OLD_JOIN")) else {}
+    os.environ.get(k) for k in ("PROBE_OLD_GRID", "PROBE_OLD_JOIN", "PROBE_NO_CLEAR")) else {}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
