@@ -447,18 +447,28 @@ def test_on_the_grid_what_fits_the_budget_goes_in_one_call(tiny_model, alone):
         assert rec.ids[r.id] == alone(r)
 
 
-def test_on_the_grid_a_burst_keeps_to_few_shapes(tiny_model, alone):
+def test_on_the_grid_a_burst_keeps_to_few_shapes(tiny_model, alone, monkeypatch):
     """On the grid, six prompts of 5 to 10 tokens arriving together are prefilled in calls of a power of
     two of rows (four, then two), each padded to a multiple of CHUNK_MULTIPLE tokens, so the next burst,
-    split otherwise, meets the same shapes; each keeps its tokens alone."""
+    split otherwise, meets the same shapes, and MLX keeps its freed buffers for them; each keeps its
+    tokens alone. Off the grid, each call hands MLX's buffers back."""
+    import mlx.core as mx
     from mlxrt.worker.prefill import CHUNK_MULTIPLE
 
     engine, recording, rec = grid_engine(tiny_model, 10_000, rate=1e6)
     recording.shapes.clear()
+    cleared, clear = [], mx.clear_cache
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1) or clear())
     burst = [gen(600 + k, short_prompt(k)[: 5 + k], max_tokens=4) for k in range(6)]
     run(engine, rec, {0: burst})
-    assert recording.shapes == [(4, CHUNK_MULTIPLE), (2, CHUNK_MULTIPLE)]
+    assert recording.shapes == [(4, CHUNK_MULTIPLE), (2, CHUNK_MULTIPLE)] and not cleared
     assert all(rec.ids[r.id] == alone(r) for r in burst)
+    engine.sizer.grid = False
+    calls, cleared[:] = engine.prefill_calls, []
+    again = [gen(700 + k, short_prompt(k + 10)[: 5 + k], max_tokens=4) for k in range(6)]
+    run(engine, rec, {0: again})
+    assert len(cleared) == engine.prefill_calls - calls > 0
+    assert all(rec.ids[r.id] == alone(r) for r in again)
 
 
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):

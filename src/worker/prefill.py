@@ -281,9 +281,10 @@ class ChunkSizer:
         self.rate = rate if self.rate is None else RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.rate
 
 
-def run_chunk(model, p: Prefill, size: int, stream) -> tuple[int, float, bool]:
+def run_chunk(model, p: Prefill, size: int, stream, *, keep: bool = False) -> tuple[int, float, bool]:
     """Prefill up to `size` tokens of `p`'s current segment; (tokens, seconds, whether the segment
-    ended there). The cache is evaluated, so the seconds are the chunk's."""
+    ended there). The cache is evaluated, so the seconds are the chunk's. MLX's freed buffers are
+    handed back after, as mlx-lm does after each prompt step, unless `keep` (`release`)."""
     seg = p.segments[0]
     chunk, p.segments[0] = seg[:size], seg[size:]
     t0 = time.perf_counter()
@@ -291,7 +292,7 @@ def run_chunk(model, p: Prefill, size: int, stream) -> tuple[int, float, bool]:
         model(mx.array(chunk)[None], cache=p.cache)
         mx.eval([c.state for c in p.cache])
     seconds = time.perf_counter() - t0
-    mx.clear_cache()
+    release(keep)
     p.tokens += chunk
     p.seq.prefill_s += seconds
     ended = not p.segments[0]
@@ -300,11 +301,11 @@ def run_chunk(model, p: Prefill, size: int, stream) -> tuple[int, float, bool]:
     return len(chunk), seconds, ended
 
 
-def run_rows(model, rows: list[Prefill], stream, width: int = 0) -> tuple[int, float]:
+def run_rows(model, rows: list[Prefill], stream, width: int = 0, *, keep: bool = False) -> tuple[int, float]:
     """Prefill the current segment of every prompt in `rows` in one call, right-padded as mlx-lm's
     `PromptProcessingBatch` does (to `width` tokens where that is wider: `padded_prompt`), each prompt on
     its own cache again after (`row_caches`); (tokens, seconds). The caches are evaluated, so the seconds
-    are the call's, and each row's own prefill time."""
+    are the call's, and each row's own prefill time. `keep`: as `run_chunk`'s."""
     chunks = [p.segments.pop(0) for p in rows]
     t0 = time.perf_counter()
     with mx.stream(stream):
@@ -314,7 +315,7 @@ def run_rows(model, rows: list[Prefill], stream, width: int = 0) -> tuple[int, f
         caches = row_caches(batch, [p.ready and not p.kept for p in rows])
         mx.eval([c.state for cache in caches for c in cache])
     seconds = time.perf_counter() - t0
-    mx.clear_cache()
+    release(keep)
     for p, chunk, cache in zip(rows, chunks, caches, strict=True):
         p.cache = cache
         p.tokens += chunk
@@ -322,15 +323,28 @@ def run_rows(model, rows: list[Prefill], stream, width: int = 0) -> tuple[int, f
     return sum(len(c) for c in chunks), seconds
 
 
+def release(keep: bool) -> None:
+    """After a prefill call: MLX's freed buffers handed back (`mx.clear_cache`), as mlx-lm does after
+    each prompt step, so a long prompt's temporaries do not stay cached; `keep` (on the grid, CUDA):
+    kept for the next calls, which a burst's calls and joins would otherwise allocate again, MLX's cache
+    limit (`cache_limit_bytes`) and the supervisor's clearing under memory pressure bounding them. On an
+    H200, bursts of 32 streams (512-token prompts) made 1.05-1.10x the aggregate and 0.70-0.78x the TTFT
+    of the same tree clearing after each call, over 10 paired rounds (docs/benchmarks/gpu-h200-s17.md)."""
+    if not keep:
+        mx.clear_cache()
+
+
 def padded_prompt(batch: PromptProcessingBatch, chunks: list[list[int]], width: int) -> None:
-    """`batch.prompt(chunks)` in one call, every row right-padded to `width` tokens where that is wider
-    than the longest and every layer a `BatchKVCache` (padding other kinds is mlx-lm's alone): what
-    mlx-lm's `prompt` does for uneven rows, with more padding, which `finalize` moves to the left and
-    the attention masks out as it does the usual."""
+    """`batch.prompt(chunks)` in one call, where every layer is a `BatchKVCache` every row right-padded
+    to `width` tokens (at least the longest; padding other kinds is mlx-lm's alone): what mlx-lm's
+    `prompt` does for uneven rows, with more padding, which `finalize` moves to the left and the
+    attention masks out as it does the usual; MLX's freed buffers are the caller's (`release`), where
+    mlx-lm's `prompt` hands them back after the call and again after `finalize`."""
     lengths = [len(c) for c in chunks]
-    if width <= max(lengths) or not all(type(c) is BatchKVCache for c in batch.prompt_cache):
+    if not all(type(c) is BatchKVCache for c in batch.prompt_cache):
         batch.prompt(chunks)
         return
+    width = max(width, *lengths)
     for held, chunk in zip(batch.tokens, chunks, strict=True):
         held += chunk
     for c in batch.prompt_cache:
@@ -521,10 +535,10 @@ class PrefillScheduler:
             cached = max(len(p.tokens) for p in rows)
             try:
                 if len(rows) > 1:
-                    n, seconds = run_rows(self.model, rows, self._batch.stream, widest)
+                    n, seconds = run_rows(self.model, rows, self._batch.stream, widest, keep=grid)
                     ended = True
                 else:
-                    n, seconds, ended = run_chunk(self.model, rows[0], size, self._batch.stream)
+                    n, seconds, ended = run_chunk(self.model, rows[0], size, self._batch.stream, keep=grid)
             except Exception as exc:
                 reseed()
                 error = BatchStepError(f"prefill step failed: {exc!r}")

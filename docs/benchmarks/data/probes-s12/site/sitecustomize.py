@@ -147,11 +147,11 @@ def patch_prefill(mod):
         ready_break(mod)
     if os.environ.get("PROBE_ROW_COPIES"):
         mod.row_caches = lambda batch, joining: [batch.extract_cache(i) for i in range(len(joining))]
-    mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s, *_: {
+    mod.run_rows = timed("rows", mod.run_rows, lambda m, rows, s, *_, **__: {
         "rows": len(rows), "widths": sorted(len(p.segments[0]) for p in rows),
         "cached": sorted(len(p.tokens) for p in rows)}, evals=True)
     mod.run_chunk = timed("chunk", mod.run_chunk,
-                          lambda m, p, size, s: {"size": size, "after": len(p.tokens)}, evals=True)
+                          lambda m, p, size, s, **_: {"size": size, "after": len(p.tokens)}, evals=True)
 
 
 def ready_break(mod):

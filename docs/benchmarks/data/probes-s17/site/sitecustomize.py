@@ -4,7 +4,8 @@
 #   PROBE_OLD_JOIN=1  merges the rows of the calls that join the batch one by one, as mlx-lm does
 #                     (no `CallRow.merge` of whole calls);
 #   PROBE_NO_CLEAR=1  the scheduler's prefill calls leave MLX's freed buffers cached (no mx.clear_cache()
-#                     after each: run_chunk, run_rows);
+#                     after each: run_chunk, run_rows); the engine's own way on CUDA since it landed;
+#   PROBE_CLEAR=1     the way before: they hand them back after each call on CUDA too (`release`);
 # e.g. `--burst-mlxrt-args=PROBE_OLD_GRID=1` for an mlxrt serve beside the others.
 import importlib.abc
 import importlib.util
@@ -32,10 +33,12 @@ def patch_prefill(mod):
                 pass
         mx = mod.mx
         mod.mx = KeepCache()
+    if os.environ.get("PROBE_CLEAR"):
+        mod.release = lambda keep: mod.mx.clear_cache()
 
 
 PATCHES = {"mlxrt.worker.prefill": patch_prefill} if any(
-    os.environ.get(k) for k in ("PROBE_OLD_GRID", "PROBE_OLD_JOIN", "PROBE_NO_CLEAR")) else {}
+    os.environ.get(k) for k in ("PROBE_OLD_GRID", "PROBE_OLD_JOIN", "PROBE_NO_CLEAR", "PROBE_CLEAR")) else {}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
