@@ -328,8 +328,9 @@ def release(keep: bool) -> None:
     each prompt step, so a long prompt's temporaries do not stay cached; `keep` (on the grid, CUDA):
     kept for the next calls, which a burst's calls and joins would otherwise allocate again, MLX's cache
     limit (`cache_limit_bytes`) and the supervisor's clearing under memory pressure bounding them. On an
-    H200, bursts of 32 streams (512-token prompts) made 1.05-1.10x the aggregate and 0.70-0.78x the TTFT
-    of the same tree clearing after each call, over 10 paired rounds (docs/benchmarks/gpu-h200-s17.md)."""
+    H200, bursts of 32 streams (512-token prompts) made 1.06x the aggregate (ahead in 10 of 10 paired
+    rounds) and 0.85x the TTFT of the same tree clearing after each call; of 16, the same
+    (docs/benchmarks/gpu-h200-s17.md)."""
     if not keep:
         mx.clear_cache()
 
