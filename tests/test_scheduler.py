@@ -538,60 +538,76 @@ def test_a_burst_keeps_short_first_and_a_long_prompt_in_chunks(slowed, alone):
 
 
 def test_a_burst_ready_together_joins_the_batch_in_one_step(tiny_model, alone, monkeypatch):
-    """Six short prompts prefilled in one step, two to a call (`prompt_concurrency`), all get their first
-    tokens in that step, as their tokens alone; the batch takes the three calls' caches whole, merging
-    no row of them one by one."""
+    """Six short prompts of 11 down to 6 tokens prefilled in one step, two to a call
+    (`prompt_concurrency`), all get their first tokens in that step, as their tokens alone; the batch
+    takes the three calls' caches whole (in its own order, not the calls'), merging no row of them one by
+    one."""
     from mlx_lm.models.cache import BatchKVCache
-    from mlxrt.worker.prefill import CallRow
+    from mlxrt.worker import prefill
 
-    merge, merged = BatchKVCache.merge.__func__, []
+    merge, merged, whole, wholes = BatchKVCache.merge.__func__, [], prefill.whole_calls, []
 
     def spy(cls, caches):
-        merged.append(sum(type(c) is CallRow for c in caches))
+        merged.append(sum(type(c) is prefill.CallRow for c in caches))
         return merge(cls, caches)
 
+    def whole_spy(caches):
+        out = whole(caches)
+        rows = [(id(c.call), c.index) for c in caches]
+        calls = list(dict.fromkeys(call for call, _ in rows))  # as `whole_calls` joins them
+        grouped = sorted(rows, key=lambda r: (calls.index(r[0]), r[1]))
+        wholes.append((len(caches), out is not None, rows != grouped))
+        return out
+
     monkeypatch.setattr(BatchKVCache, "merge", classmethod(spy))
+    monkeypatch.setattr(prefill, "whole_calls", whole_spy)
     engine = Engine(tiny_model, options=EngineOptions(prefill_budget_ms=60_000, prefill_step_size=STEP,
                                                       prompt_cache_bytes=0, prompt_concurrency=2,
                                                       decode_concurrency=8))
     rec = Events()
-    shorts = [gen(400 + k, short_prompt(30 + k), max_tokens=5) for k in range(6)]
+    shorts = [gen(400 + k, short_prompt(30 + k)[: 11 - k], max_tokens=5) for k in range(6)]
     run(engine, rec, {0: shorts})
+    layers = len(engine.model.layers)
+    assert len(wholes) == layers and all(n == 6 and took for n, took, _ in wholes) and not any(merged)
+    assert wholes[0][2]  # the rows reach the batch out of their calls' order: `whole_calls` reorders them
     assert engine.prefill_calls == 3 and engine.prefill_batched == 6
     firsts = {rec.events[:rec.first("token", s.id)].count(("step", 0)) for s in shorts}
     assert firsts == {0}  # no ("step", 0) before any first token: all came in step 0
     assert rec.ids == {s.id: alone(s) for s in shorts}
-    assert not any(merged)
 
 
 @pytest.mark.parametrize("family", ["tiny", "tiny-qwen3"])
 def test_the_rows_of_whole_calls_merge_as_mlx_lm_merges_them(family):
-    """The rows of two batched calls (three uneven rows and two), in a shuffled order: `whole_calls` gives
-    each row, at its place, the keys, values and length mlx-lm's merge of the same rows gives, and
-    refuses part of a call or a row of another kind (mlx-lm merges those)."""
+    """The rows of two batched calls (three uneven rows, one after a cached prefix; and two padded to 16
+    tokens), in a shuffled order: `whole_calls` gives each row, at its place, the keys, values and length
+    mlx-lm's merge of the same rows gives, and refuses part of a call or a row of another kind (mlx-lm
+    merges those)."""
     import copy
 
     import mlx.core as mx
     from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
     from mlxrt.synthetic.build import ensure_model
-    from mlxrt.worker.prefill import row_caches, whole_calls
+    from mlxrt.worker.prefill import padded_prompt, row_caches, whole_calls
 
     model = Engine(str(ensure_model(family)), options=EngineOptions(prompt_cache_bytes=0)).model
 
-    def call(chunks: list[list[int]]) -> list[list]:
-        batch = PromptProcessingBatch(model, list(range(len(chunks))),
-                                      [make_prompt_cache(model) for _ in chunks], prefill_step_size=16)
-        batch.prompt(chunks)
+    def call(chunks: list[list[int]], width: int = 0, prefix: list[int] | None = None) -> list[list]:
+        caches = [make_prompt_cache(model) for _ in chunks]
+        if prefix is not None:  # the first row's cache holds a prefix already
+            model(mx.array(prefix)[None], cache=caches[0])
+            mx.eval([c.state for c in caches[0]])
+        batch = PromptProcessingBatch(model, list(range(len(chunks))), caches, prefill_step_size=16)
+        padded_prompt(batch, chunks, width)
         return row_caches(batch, [True] * len(chunks))
 
-    rows = call([short_prompt(1)[:5], short_prompt(2)[:9], short_prompt(3)[:3]])
-    rows += call([short_prompt(4)[:7], short_prompt(5)[:2]])
+    rows = call([short_prompt(1)[:5], short_prompt(2)[:9], short_prompt(3)[:3]], prefix=short_prompt(9)[:4])
+    rows += call([short_prompt(4)[:7], short_prompt(5)[:2]], width=16)
     order = [3, 0, 4, 2, 1]
     for layer in range(len(rows[0])):
         caches = [rows[i][layer] for i in order]
-        whole = whole_calls(caches)
         plain = BatchKVCache.merge([copy.deepcopy(c) for c in caches])  # a copy is a plain KVCache
+        whole = whole_calls(caches)
         assert whole is not None and whole.offset.tolist() == plain.offset.tolist()
         for i in range(len(order)):
             got, want = whole.extract(i), plain.extract(i)

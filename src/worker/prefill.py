@@ -143,8 +143,9 @@ def batch_rows(prefills: list[Prefill], first: Prefill, size: int, room: int, mo
     tokens; then with up to `most` - 1 others whose current segments fit beside it, fewest tokens left
     first, `room` counting the padding (rows times the longest segment), as mlx-lm batches prompts.
 
-    `grid` (CUDA): a call's shape is one of few, its width padded (`grid_width`, counted in `room`) and
-    its rows the largest power of two of those that fit, the others left for the next call. A burst
+    `grid` (CUDA): a call's shape is one of few, its width padded (`grid_width`, counted so in `room`
+    whatever the caches: kinds other than `KVCache` are padded as mlx-lm pads them, `paddable`) and its
+    rows the largest power of two of those that fit, the others left for the next call. A burst
     arrives split in ways of its own, and each (rows, width) not met before costs its graphs' builds: on
     an H200, 16 rows of 511 tokens took 164-170 ms the first time and 87 the next
     (docs/benchmarks/gpu-h200-s17.md)."""
@@ -326,21 +327,28 @@ def run_rows(model, rows: list[Prefill], stream, width: int = 0, *, keep: bool =
 def release(keep: bool) -> None:
     """After a prefill call: MLX's freed buffers handed back (`mx.clear_cache`), as mlx-lm does after
     each prompt step, so a long prompt's temporaries do not stay cached; `keep` (on the grid, CUDA):
-    kept for the next calls, which a burst's calls and joins would otherwise allocate again, MLX's cache
-    limit (`cache_limit_bytes`) and the supervisor's clearing under memory pressure bounding them. On an
-    H200, bursts of 32 streams (512-token prompts) made 1.06x the aggregate (ahead in 10 of 10 paired
-    rounds) and 0.85x the TTFT of the same tree clearing after each call; of 16, the same
-    (docs/benchmarks/gpu-h200-s17.md)."""
+    kept for the next calls, which a burst's calls and joins would otherwise allocate again (a long
+    prompt's next chunk too), bounded by MLX's cache limit (its default, or `cache_limit_bytes`) and the
+    supervisor's clearing under memory pressure. On an H200, bursts of 32 streams (512-token prompts)
+    made 1.06x the aggregate (ahead in 10 of 10 paired rounds) and 0.85x the TTFT of the same tree
+    clearing after each call; of 16, within the spread (0.99x, TTFT 0.96x). A long prompt's chunks were
+    not measured with it (docs/benchmarks/gpu-h200-s17.md)."""
     if not keep:
         mx.clear_cache()
 
 
+def paddable(rows: list[Prefill]) -> bool:
+    """Whether a batched call of `rows` may be padded past its longest row (`padded_prompt`): every layer
+    of every row a `KVCache`. Other kinds (rotating, recurrent) are padded as mlx-lm pads them."""
+    return all(type(c) is KVCache for p in rows for c in p.cache)
+
+
 def padded_prompt(batch: PromptProcessingBatch, chunks: list[list[int]], width: int) -> None:
-    """`batch.prompt(chunks)` in one call, where every layer is a `BatchKVCache` every row right-padded
-    to `width` tokens (at least the longest; padding other kinds is mlx-lm's alone): what mlx-lm's
-    `prompt` does for uneven rows, with more padding, which `finalize` moves to the left and the
-    attention masks out as it does the usual; MLX's freed buffers are the caller's (`release`), where
-    mlx-lm's `prompt` hands them back after the call and again after `finalize`."""
+    """`batch.prompt(chunks)` in one call. Where every layer is a `BatchKVCache`, every row is
+    right-padded to `width` tokens (at least the longest): mlx-lm's `prompt` pads uneven rows so, to the
+    longest, and `finalize` moves the padding to the left, where the attention masks it out. Other kinds
+    go through mlx-lm's `prompt`, `width` aside (`paddable`). MLX's freed buffers are left to the caller
+    (`release`), where mlx-lm's `prompt` hands them back after the call and again after `finalize`."""
     lengths = [len(c) for c in chunks]
     if not all(type(c) is BatchKVCache for c in batch.prompt_cache):
         batch.prompt(chunks)
@@ -382,10 +390,10 @@ class CallRow(KVCache):
 
     mlx-lm's batch takes the prompts that join it together, merging their caches into one
     (`BatchKVCache.merge`): two slice updates a row and layer, each an op to build and launch, 1.2 ms a
-    row on an H200's host (docs/benchmarks/gpu-h200-s13.md), and a join of 16-24 rows took 30-85 ms
-    there (docs/benchmarks/gpu-h200-s17.md). Where the caches merged are every row of one or more
-    calls, `merge` takes those calls' caches whole instead (`whole_calls`), as mlx-lm's own prefill hands
-    its prompt batch on; anything else is merged as mlx-lm does.
+    row on an H200's host (docs/benchmarks/gpu-h200-s13.md). Where the caches merged are every row of
+    one or more calls, `merge` takes those calls' caches whole instead (`whole_calls`), as mlx-lm's own
+    prefill hands its prompt batch on; anything else is merged as mlx-lm does. On an H200 a join of one
+    call's 16 rows went from 37-71 ms to 28-32 (docs/benchmarks/gpu-h200-s17.md).
     """
 
     def __init__(self, call: BatchKVCache, index: int, padding: int) -> None:
@@ -402,9 +410,10 @@ class CallRow(KVCache):
         return BatchKVCache.merge(caches) if whole is None else whole
 
     def __deepcopy__(self, memo) -> KVCache:
-        """A copy holds this row alone, as a plain `KVCache` (a prefix cache's entry, say), not its call."""
+        """A copy holds this row alone, as a plain `KVCache`, not its call (a deep copy of a view shares
+        the whole call's buffers: `mx.contiguous` copies the row's part, as mlx-lm's extract does)."""
         row = KVCache()
-        row.keys, row.values, row.offset = copy.deepcopy(self.keys), copy.deepcopy(self.values), self.offset
+        row.keys, row.values, row.offset = mx.contiguous(self.keys), mx.contiguous(self.values), self.offset
         return row
 
 
@@ -530,9 +539,10 @@ class PrefillScheduler:
                 room = min(room, self.prefill.call_tokens)  # at least `size`: a lone step is within it
             grid = self.sizer.grid
             rows = batch_rows(self._prefills, first, size, room, self.prefill.batch_prompts, grid=grid)
-            # The call's attention shape: rows padded to the longest segment (on the grid, further:
-            # `grid_width`), over the longest cache.
-            widest = grid_width(max(len(p.segments[0]) for p in rows), grid and len(rows) > 1)
+            # The call's attention shape: rows padded to the longest segment (on the grid, where every
+            # layer is a `KVCache`, further: `grid_width`), over the longest cache.
+            padded = grid and len(rows) > 1 and paddable(rows)
+            widest = grid_width(max(len(p.segments[0]) for p in rows), padded)
             cached = max(len(p.tokens) for p in rows)
             try:
                 if len(rows) > 1:
@@ -550,7 +560,8 @@ class PrefillScheduler:
                     self._failed(p.seq, error)
                 continue
             width = n if len(rows) == 1 else widest
-            self.sizer.record(n, seconds, (len(rows), width, cached + width))
+            # A batched call's work is its rows times its width, padding included, as `room` counts it.
+            self.sizer.record(len(rows) * width, seconds, (len(rows), width, cached + width))
             self.prefill_tokens += n
             self.prefill_calls += 1
             self.prefill_batched += len(rows) if len(rows) > 1 else 0
