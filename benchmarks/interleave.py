@@ -36,6 +36,7 @@ class _Times:
 
     def __init__(self) -> None:
         self.tokens: dict[int, list[float]] = {}
+        self.stats: dict[int, Any] = {}
 
     def started(self, req_id: int) -> None:
         pass
@@ -43,8 +44,8 @@ class _Times:
     def token(self, req_id: int, *args, **kwargs) -> None:
         self.tokens.setdefault(req_id, []).append(time.perf_counter())
 
-    def done(self, *args, **kwargs) -> None:
-        pass
+    def done(self, req_id: int, stats: Any, *args, **kwargs) -> None:
+        self.stats[req_id] = stats
 
     def failed(self, req_id: int, exc: BaseException) -> None:
         raise exc
@@ -99,7 +100,12 @@ class EngineTarget:
                                         params=SamplingParams(max_tokens=n, ignore_eos=True)), rec)
 
         arrived = _schedule(spec, submit, self.engine.step, lambda: self.engine.busy)
-        return _figures(arrived, {ids_of[i]: t for i, t in rec.tokens.items()})
+        out = _figures(arrived, {ids_of[i]: t for i, t in rec.tokens.items()})
+        if (b := next((s for i, s in rec.stats.items() if ids_of[i] == "b"), None)) is not None:
+            # Where B's TTFT went: its own chunks, and its wait behind other prompts' chunks; the rest is
+            # the others' decode steps and the steps' own costs.
+            out |= {"prefill_b_ms": b.prefill_ms, "prefill_wait_b_ms": b.prefill_wait_ms}
+        return out
 
     def close(self) -> None:
         pass
@@ -220,7 +226,10 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
                 c = make_prompt(tok, args.c_tokens, start=base + 60)[0]
                 b1 = make_prompt(tok, args.b_tokens, start=base + 70)[0]
                 c1 = make_prompt(tok, args.c_tokens, start=base + 95)[0]
-                mixed = {"ttft_b_alone_ms": t.run({"b": (0.0, b1, GEN_B)})["ttft_b_ms"]}
+                alone = t.run({"b": (0.0, b1, GEN_B)})
+                mixed = {"ttft_b_alone_ms": alone["ttft_b_ms"]}
+                if "prefill_b_ms" in alone:
+                    mixed["prefill_b_alone_ms"] = alone["prefill_b_ms"]
                 if not args.alone:
                     mixed |= t.run({"a": (0.0, a, args.a_tokens), "b": (args.b_after_s, b, GEN_B),
                                     "c": (args.b_after_s + args.c_after_s, c, GEN_C)})

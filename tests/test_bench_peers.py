@@ -80,10 +80,16 @@ def test_the_long_prompt_mix_runs_every_target_and_peer_in_each_round(vllm_mlx_s
     assert list(doc["medians"]) == names and doc["skipped"] == {}, proc.stderr[-2000:]
     for name in names:
         m = doc["medians"][name]
+        # Where B's TTFT went, from the engine's own stats.
+        engine = {"prefill_b_ms", "prefill_wait_b_ms", "prefill_b_alone_ms"}
+        engine = engine if name.startswith("mlxrt engine") else set()
         assert set(m) == {"ttft_b_alone_ms", "ttft_a_ms", "ttft_b_ms", "ttft_c_ms", "a_longest_gap_ms",
-                          "ttft_c_alone_ms"}, name
+                          "ttft_c_alone_ms"} | engine, name
         assert all(math.isfinite(v) for v in m.values()), (name, m)  # each request's first token came
         assert m["a_longest_gap_ms"] > 0, name  # A's tokens came in more than one arrival
+    scheduled = doc["rounds"]["mlxrt engine"][0]  # B's own chunks are part of its TTFT, alone and mixed
+    assert 0 < scheduled["prefill_b_ms"] < scheduled["ttft_b_ms"], scheduled
+    assert 0 < scheduled["prefill_b_alone_ms"] < scheduled["ttft_b_alone_ms"], scheduled
     assert doc["servers"]["vllm-mlx"]["server"].startswith("vllm-mlx 0.6.0")
     assert doc["config"]["peers"] == ["mlx_lm.server", "vllm-mlx"]
     assert "| vllm-mlx |" in proc.stdout
