@@ -48,6 +48,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from .draft_policy import DraftPolicy, Window
 from .kvcache import KVQuant, full_precision, make_cache, quantize
+from .prefill import release
 from .sequence import Sequence, unsample
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
@@ -127,9 +128,10 @@ class Solo:
         """Whether prompt tokens are left to prefill (the first token is not queued yet)."""
         return bool(self.segments)
 
-    def prefill(self, size: int | None = None) -> bool:
+    def prefill(self, size: int | None = None, *, keep: bool = False) -> bool:
         """Prefill one chunk of `size` tokens (None: `prefill_step_size`); queue the first decode step
-        after the last. True at an inner segment's end."""
+        after the last. True at an inner segment's end. MLX's freed buffers are handed back after the
+        chunk unless `keep` (on CUDA: `prefill.release`)."""
         if len(self.segments) > 1:
             seg, size = self.segments[0], size or self._step_size
             singles = self._singles if len(self.segments) == 2 else 0
@@ -146,7 +148,7 @@ class Solo:
                     if one_a_call:  # queued as a decode step is; one graph of many calls ran slower on an
                         mx.async_eval([c.state for c in self.cache])  # H200 (gpu-h200-resume-evict-vision.md)
                 mx.eval([c.state for c in self.cache])
-            mx.clear_cache()
+            release(keep)
             self.tokens += chunk
             if self.segments[0]:
                 return False
