@@ -101,7 +101,8 @@ class EngineTarget:
 
         arrived = _schedule(spec, submit, self.engine.step, lambda: self.engine.busy)
         out = _figures(arrived, {ids_of[i]: t for i, t in rec.tokens.items()})
-        if (b := next((s for i, s in rec.stats.items() if ids_of[i] == "b"), None)) is not None:
+        b = next((s for i, s in rec.stats.items() if ids_of[i] == "b"), None)
+        if b is not None and self.engine.scheduled:  # mlx-lm's prefill (budget 0) counts neither
             # Where B's TTFT went: its own chunks, and its wait behind other prompts' chunks; the rest is
             # the others' decode steps and the steps' own costs.
             out |= {"prefill_b_ms": b.prefill_ms, "prefill_wait_b_ms": b.prefill_wait_ms}

@@ -472,24 +472,30 @@ def test_on_the_grid_a_burst_keeps_to_few_shapes(tiny_model, alone, monkeypatch)
 
 
 def test_on_the_grid_a_lone_prompt_keeps_mlx_buffers_between_its_chunks(tiny_model, alone, monkeypatch):
-    """A lone prompt on the fast path, on the grid (as on CUDA): its chunks leave MLX's freed buffers
-    cached for the next, as the scheduler's calls do; off the grid each chunk hands them back. Its
-    tokens stay its own either way."""
+    """A lone prompt on the fast path, on the grid (as on CUDA) with a budget: its chunks leave MLX's
+    freed buffers cached for the next, as the scheduler's calls do, and its last chunk hands them back.
+    Off the grid, or without the scheduler (budget 0), each chunk hands them back. Its tokens stay its
+    own every way."""
     import mlx.core as mx
 
     engine, recording, rec = grid_engine(tiny_model, 1)
     cleared, clear = [], mx.clear_cache
     monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1) or clear())
-    b, c = gen(2, LONG, max_tokens=4), gen(3, long_prompt(5, 12), max_tokens=4)
-    expected = {2: alone(b), 3: alone(c)}  # before counting: the reference engine is off the grid
+    b, c, d = (gen(2 + k, long_prompt(5 + k, 12), max_tokens=4) for k in range(3))
+    expected = {r.id: alone(r) for r in (b, c, d)}  # before counting: the reference engine is off the grid
     cleared[:] = []
     run(engine, rec, {0: [b]})
-    assert len(recording.ends) > 2 and not cleared and rec.ids[2] == expected[2]
+    assert len(recording.ends) > 2 and len(cleared) == 1 and rec.ids[b.id] == expected[b.id]
     assert engine.prefill_calls == 0  # all of it on the fast path, not the scheduler's
     engine.sizer.grid = False
     recording.ends.clear()
+    cleared[:] = []
     run(engine, rec, {0: [c]})
-    assert len(cleared) == len(recording.ends) > 2 and rec.ids[3] == expected[3]
+    assert len(cleared) == len(recording.ends) > 2 and rec.ids[c.id] == expected[c.id]
+    unscheduled, recording, rec = grid_engine(tiny_model, 0)  # on the grid, budget 0: mlx-lm's steps
+    cleared[:] = []
+    run(unscheduled, rec, {0: [d]})
+    assert len(cleared) == len(recording.ends) > 2 and rec.ids[d.id] == expected[d.id]
 
 
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):

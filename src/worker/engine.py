@@ -688,7 +688,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         before, t0 = len(solo.tokens), time.perf_counter()
         rest = len(solo.segments[0]) if solo.segments else None
         size = self.sizer.size(cached=before, rest=rest) if sized else None
-        boundary = solo.prefill(size, keep=self.sizer.grid)  # on CUDA, MLX's freed buffers kept
+        # On CUDA, MLX's freed buffers kept between the chunks as between the scheduler's calls.
+        boundary = solo.prefill(size, keep=sized and self.sizer.grid)
         # The prompt's last token, queued once the prompt is in, is the first decode step's input.
         seconds, n = time.perf_counter() - t0, len(solo.tokens) - before - (not solo.prefilling)
         if n > 0:

@@ -328,14 +328,13 @@ def release(keep: bool) -> None:
     """After a prefill call: MLX's freed buffers handed back (`mx.clear_cache`), as mlx-lm does after
     each prompt step, so a long prompt's temporaries do not stay cached; `keep` (on the grid, CUDA):
     kept for the next calls, which a burst's calls and joins would otherwise allocate again (a long
-    prompt's next chunk too), bounded by MLX's cache limit (its default, or `cache_limit_bytes`) and the
-    supervisor's clearing under memory pressure. On an H200, bursts of 32 streams (512-token prompts)
-    made 1.06x the aggregate (ahead in 10 of 10 paired rounds) and 0.85x the TTFT of the same tree
-    clearing after each call; of 16, within the spread (0.99x, TTFT 0.96x)
-    (docs/benchmarks/gpu-h200-s17.md). A lone prompt's chunks on the fast path (`Solo.prefill`) follow
-    the same rule: in one H200 process (8B shape, 1,024-token chunks at the same depths), its chunks,
-    clearing, took a median 141-145 ms against the scheduler's 133 ms, keeping
-    (docs/benchmarks/gpu-h200-s18.md)."""
+    prompt's next chunk too), bounded by MLX's cache limit (its default, or `cache_limit_bytes`). On an
+    H200, bursts of 32 streams (512-token prompts) made 1.06x the aggregate (ahead in 10 of 10 paired
+    rounds) and 0.85x the TTFT of the same tree clearing after each call; of 16, within the spread
+    (0.99x, TTFT 0.96x) (docs/benchmarks/gpu-h200-s17.md). A lone prompt's chunks on the fast path
+    (`Solo.prefill`) keep them too, until the prompt's last: in one H200 process (8B shape, 1,024-token
+    chunks at the same depths), its chunks, clearing, took a median 141-145 ms against the scheduler's
+    133 ms, keeping (docs/benchmarks/gpu-h200-s18.md)."""
     if not keep:
         mx.clear_cache()
 

@@ -48,7 +48,6 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from .draft_policy import DraftPolicy, Window
 from .kvcache import KVQuant, full_precision, make_cache, quantize
-from .prefill import release
 from .sequence import Sequence, unsample
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
@@ -131,7 +130,9 @@ class Solo:
     def prefill(self, size: int | None = None, *, keep: bool = False) -> bool:
         """Prefill one chunk of `size` tokens (None: `prefill_step_size`); queue the first decode step
         after the last. True at an inner segment's end. MLX's freed buffers are handed back after the
-        chunk unless `keep` (on CUDA: `prefill.release`)."""
+        chunk, as mlx-lm does after each prompt step; with `keep` (the scheduler's chunks on CUDA) only
+        after the prompt's last chunk: the next chunk reuses them, and a long prompt does not leave its
+        cache's outgrown buffers cached once it decodes."""
         if len(self.segments) > 1:
             seg, size = self.segments[0], size or self._step_size
             singles = self._singles if len(self.segments) == 2 else 0
@@ -148,7 +149,8 @@ class Solo:
                     if one_a_call:  # queued as a decode step is; one graph of many calls ran slower on an
                         mx.async_eval([c.state for c in self.cache])  # H200 (gpu-h200-resume-evict-vision.md)
                 mx.eval([c.state for c in self.cache])
-            release(keep)
+            if not keep or (not self.segments[0] and len(self.segments) == 2):  # the prompt's last chunk
+                mx.clear_cache()
             self.tokens += chunk
             if self.segments[0]:
                 return False
