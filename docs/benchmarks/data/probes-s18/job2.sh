@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Session 18, lease 2 (job1.sh's lease was lost after its trace), second call (carry [".gpu/b"]; the first: `bash .gpu/a/stage.sh && cp -r .gpu/a/vmx
-# .gpu/a/oai /root/stage/`): issue 28's long-prompt mix and agent part with session 17's engine. First the mix
-# in-process, traced step by step (probes-s12/site), with where B's TTFT went (its chunks, its wait); then
-# the mix with both peers over HTTP; then the agent part with both peers.
+# Session 18, lease 2 (job1.sh's host was taken back after its traced mix), second call (carry [".gpu/b"];
+# the first: `bash .gpu/a/stage.sh && cp -r .gpu/a/vmx .gpu/a/oai /root/stage/`): issue 28's long-prompt mix
+# with both peers over HTTP (where B's TTFT went, in-process, in the engine's targets), then the agent part
+# with both peers (this host too was taken back before it ended: job3.sh ran it).
 #   source .gpu/b/install.sh > /tmp/install.log 2>&1; setsid bash THIS >/dev/null 2>&1 </dev/null &
 #   sleep 2; L=/tmp/lease2 bash docs/benchmarks/data/probes-s18/poll.sh 560
 cd "$(dirname "$0")/../../../.."
