@@ -1,0 +1,40 @@
+# Session 19: issue 28's long-prompt mix in-process, the grid's ladder of rungs (powers of two and the
+# midpoints between them, the engine's own since session 19) against powers of two only (the rungs before),
+# two engines in one process, their rounds interleaved as benchmarks.interleave interleaves its targets.
+# The ladder before is this file's copy of `ChunkSizer._rung` as it was at session 18's end (9cbb1c4).
+#   python3 docs/benchmarks/data/probes-s19/abmix.py [benchmarks.interleave's arguments]
+import sys
+import types
+
+sys.path.insert(0, ".")
+from mlxrt.worker import prefill  # noqa: E402
+
+from benchmarks import interleave  # noqa: E402
+
+
+def pow2_rung(self, want: int) -> int:
+    top = 1 << (self.ceiling.bit_length() - 1)
+    low = min(top, max(prefill.GRID_MIN_RUNG, 1 << max(0, (self.floor - 1).bit_length())))
+    r = self.rung
+    if r is None or r > prefill.RUNG_MARGIN * want or 2 * r <= want:
+        r = 1 << max(0, max(1, want).bit_length() - 1)
+    self.rung = max(low, min(top, r))
+    return self.rung
+
+
+KEPT = []
+
+
+def make_targets(model, model_path, http, peers, skipped, targets):
+    targets.append(interleave.EngineTarget("mlxrt engine", model, None))
+    old = interleave.EngineTarget("mlxrt engine, powers of two", model, None)
+    old.engine.sizer._rung = types.MethodType(pow2_rung, old.engine.sizer)
+    targets.append(old)
+    KEPT.extend(targets)
+
+
+interleave.make_targets = make_targets
+rc = interleave.main(sys.argv[1:])
+for t in KEPT:  # the rung and the rate each engine ended on
+    print(f"{t.name}: rung {t.engine.sizer.rung}, rate {t.engine.sizer.rate} tokens/ms", flush=True)
+sys.exit(rc)
