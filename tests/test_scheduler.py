@@ -501,6 +501,31 @@ def test_on_the_grid_a_lone_prompt_keeps_mlx_buffers_between_its_chunks(tiny_mod
     assert len(cleared) == len(recording.ends) > 2 and rec.ids[d.id] == expected[d.id]
 
 
+def test_on_the_grid_a_long_prompt_beside_a_stream_hands_mlx_buffers_back_after_its_last_chunk(
+        tiny_model, alone, monkeypatch):
+    """On the grid, a long prompt prefilled by the scheduler (a stream decoding beside it) keeps MLX's
+    freed buffers between its chunks and hands them back once, after its last: its cache's outgrown
+    buffers are not left cached while it decodes. Both keep their tokens alone."""
+    import mlx.core as mx
+
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    cleared, clear = [], mx.clear_cache
+    a, b = gen(2, short_prompt(4), max_tokens=30), gen(3, long_prompt(7, 12), max_tokens=4)
+    expected = {r.id: alone(r) for r in (a, b)}
+    run(engine, rec, {0: [a]})  # A alone: the fast path's prompt, its own clearing; then B beside it
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(len(recording.ends)) or clear())
+    recording.ends.clear()
+    calls = engine.prefill_calls
+    a2 = gen(4, short_prompt(5), max_tokens=30)
+    expected[a2.id] = alone(a2)
+    run(engine, rec, {0: [a2], 2: [b]})
+    ends = recording.ends
+    a2_calls = sum(1 for _, end in ends if end <= len(a2.prompt_ids))  # A2 went the fast path's way first
+    assert engine.prefill_calls - calls > 2 and ends[a2_calls][1] > len(a2.prompt_ids)
+    assert [c for c in cleared if c > a2_calls] == [len(ends)]  # B's: once, after its last call
+    assert all(rec.ids[r.id] == expected[r.id] for r in (a, a2, b))
+
+
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):
     """A negative budget is refused naming the field; MLXRT_PREFILL_BUDGET_MS sets it."""
     with pytest.raises(ValueError, match="prefill_budget_ms"):

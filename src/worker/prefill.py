@@ -93,6 +93,8 @@ class Prefill:
     skipped: int = 0
     #: Admission order: ties go to the earlier.
     order: int = 0
+    #: Prefill calls this prompt has been in so far.
+    calls: int = 0
 
     @property
     def remaining(self) -> int:
@@ -312,6 +314,7 @@ def run_chunk(model, p: Prefill, size: int, stream, *, keep: bool = False) -> tu
     seconds = time.perf_counter() - t0
     release(keep)
     p.tokens += chunk
+    p.calls += 1
     p.seq.prefill_s += seconds
     ended = not p.segments[0]
     if ended:
@@ -337,6 +340,7 @@ def run_rows(model, rows: list[Prefill], stream, width: int = 0, *, keep: bool =
     for p, chunk, cache in zip(rows, chunks, caches, strict=True):
         p.cache = cache
         p.tokens += chunk
+        p.calls += 1
         p.seq.prefill_s += seconds
     return sum(len(c) for c in chunks), seconds
 
@@ -578,6 +582,11 @@ class PrefillScheduler:
                     self._unlead(p.seq)
                     self._failed(p.seq, error)
                 continue
+            if grid and any(p.ready and p.calls > 1 for p in rows):
+                # A long prompt is in: its cache's outgrown buffers, one a chunk and of sizes not met
+                # again, go back rather than stay cached, as after the fast path's last chunk (an 8B's
+                # 25,000 tokens on an H200 left 72.6 GiB cached; docs/benchmarks/gpu-h200-s19.md).
+                mx.clear_cache()
             width = n if len(rows) == 1 else widest
             # A batched call's work is its rows times its width, padding included, as `room` counts it.
             self.sizer.record(len(rows) * width, seconds, (len(rows), width, cached + width))
