@@ -3,6 +3,7 @@
 # two engines in one process, their rounds interleaved as benchmarks.interleave interleaves its targets.
 # The ladder before is this file's copy of `ChunkSizer._rung` as it was at session 18's end (9cbb1c4).
 #   python3 docs/benchmarks/data/probes-s19/abmix.py [benchmarks.interleave's arguments]
+import collections
 import sys
 import types
 
@@ -25,16 +26,32 @@ def pow2_rung(self, want: int) -> int:
 KEPT = []
 
 
+def counted(sizer):
+    """`sizer.record`, also counting the chunk sizes it is given (rows of one token each)."""
+    sizer.sizes = collections.Counter()
+    record = sizer.record
+
+    def rec(tokens, seconds, shape=None):
+        if shape is not None and shape[0] == 1:
+            sizer.sizes[tokens] += 1
+        record(tokens, seconds, shape)
+
+    sizer.record = rec
+
+
 def make_targets(model, model_path, http, peers, skipped, targets):
     targets.append(interleave.EngineTarget("mlxrt engine", model, None))
     old = interleave.EngineTarget("mlxrt engine, powers of two", model, None)
     old.engine.sizer._rung = types.MethodType(pow2_rung, old.engine.sizer)
     targets.append(old)
+    for t in targets:
+        counted(t.engine.sizer)
     KEPT.extend(targets)
 
 
 interleave.make_targets = make_targets
 rc = interleave.main(sys.argv[1:])
 for t in KEPT:  # the rung and the rate each engine ended on
-    print(f"{t.name}: rung {t.engine.sizer.rung}, rate {t.engine.sizer.rate} tokens/ms", flush=True)
+    top = sorted(t.engine.sizer.sizes.items(), key=lambda kv: -kv[1])[:8]
+    print(f"{t.name}: one-row chunks by size (the most run): {top}", flush=True)
 sys.exit(rc)
