@@ -320,10 +320,9 @@ def test_chunks_follow_the_measured_rate_within_their_bounds():
 
 
 def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
-    """On the grid (CUDA): a chunk is a rung of tokens (a power of two or the midpoint between two), cut
-    to end where the cache holds a multiple of it, sized so that its work and a graph's build fit the
-    budget; the rung holds within its margin; a step's budget left too small for the next chunk, or
-    under half of it, gives 0."""
+    """On the grid (CUDA): a chunk is a power of two of tokens, cut to end where the cache holds a
+    multiple of it, sized so that its work and a graph's build fit the budget; the rung holds within
+    its margin; a step's budget left too small for the next chunk, or under half of it, gives 0."""
     s = ChunkSizer(200, 2048, grid=True)
     assert s.size() == 2048 and s.size(cached=100) == 1948  # nothing timed yet: the top rung, as mlx-lm
     s.record(2048, 0.3, (1, 2048, 2048))  # a first-met shape: timed net of a build, 2048 in 250 ms
@@ -331,11 +330,9 @@ def test_on_the_grid_chunks_are_rungs_ending_on_their_multiples():
     assert s.size() == 1024 and s.size(cached=1500) == 548  # 1,228 tokens in 200 ms less a build
     s.rate = 6.5  # 975 tokens: 1,024 is within the margin, kept
     assert s.size() == 1024
-    s.rate = 6.0  # 900: 1,024 is not; the rung below it, 768, is
-    assert s.size() == 768 and s.size(cached=1000) == 536
-    s.rate = 11.0  # 1,650: the rung above 768 fits, and the one above that: 1,536, a midpoint
-    assert s.size() == 1536 and s.size(cached=2000) == 1072
-    s.rate = 14.0  # 2,100: the rung above fits
+    s.rate = 6.0  # 900: 1,024 is not
+    assert s.size() == 512
+    s.rate = 14.0  # 2,100: twice the rung fits
     assert s.size() == 2048
     s.rate = 8.0
     assert s.size() == 1024
@@ -392,7 +389,7 @@ def test_on_the_grid_small_chunks_do_not_keep_the_rung_small():
     for k in range(4):  # 256-token chunks of new shapes, 90 ms each
         s.record(256, 0.09, (1, 256, 512 + 256 * k))
         rates.append(s.rate)
-    assert rates == sorted(rates) and s.size(cached=1536) == 768  # 5.4 tokens/ms net: 805 tokens fit
+    assert rates == sorted(rates) and s.size(cached=1536) == 512  # 5.4 tokens/ms net: 805 tokens fit
 
 
 def grid_engine(model: str, budget_ms: int, rate: float | None = None) -> tuple[Engine, Recording, Events]:

@@ -59,8 +59,8 @@ CHUNK_MULTIPLE = 64
 MAX_SKIPS = 8
 #: Weight of the newest chunk in the measured rate (an exponential moving average).
 RATE_WEIGHT = 0.5
-#: On the grid, a rung is kept while at most this many times what the budget asks for (the rungs are
-#: 1.33-1.5x apart: without a margin the chunks would flap between two).
+#: On the grid, a rung is kept while at most this many times what the budget asks for (a rung is a
+#: power of two: without a margin the chunks would flap between two rungs).
 RUNG_MARGIN = 1.1
 #: On the grid, what a chunk of a shape not met before costs beyond its work, ms: its attention graph's
 #: build, measured at 43-56 ms for a chunk of an 8B model and 66-87 ms for a short prompt on an H200
@@ -181,18 +181,6 @@ def passed_over(prefills: list[Prefill], chosen: list[Prefill], seconds: float) 
             p.seq.prefill_wait_s += seconds
 
 
-def ladder_floor(n: int) -> int:
-    """The highest rung of the grid's ladder within `n` tokens (at least 1): the rungs are the powers of
-    two and the midpoints between them (1.5 times a power of two: 256, 384, 512, 768, 1024, 1536, 2048)."""
-    p = 1 << (max(1, n).bit_length() - 1)
-    return p * 3 // 2 if p >= 2 and p * 3 // 2 <= n else p
-
-
-def ladder_up(rung: int) -> int:
-    """The grid's rung after `rung`, a rung of the ladder (`ladder_floor`)."""
-    return rung * 3 // 2 if rung & (rung - 1) == 0 and rung >= 2 else rung * 4 // 3
-
-
 class ChunkSizer:
     """Prompt tokens per chunk so that a step's prefill takes about `budget_ms` on this machine.
 
@@ -200,23 +188,18 @@ class ChunkSizer:
     follows the model, the machine, its load and the depth of the cache, with no figure tuned for
     one of them. `budget_ms` 0: every chunk is `ceiling` tokens.
 
-    `grid` (MLX's CUDA backend): attention there builds a cuDNN graph for each new (query length, cache
-    length) of a prefill, tens of ms each (docs/benchmarks/gpu-h200-scheduler-s9.md), so chunks keep to
-    few shapes: a size is a rung of a ladder (`ladder_floor`: a power of two or the midpoint between two),
-    and a chunk ends where the cache holds a multiple of it, so the cache lengths repeat from prompt to
-    prompt (a piece under `floor` tokens up to the grid takes a rung with it). A chunk of a shape not met
-    before is costed `BUILD_MS` more than its tokens at the rate (the rate is measured net of it, the
-    build taken as at most half the chunk), so a step's chunk and its build fit the budget together: a
-    rung is chosen for the budget less a build, at least `GRID_MIN_RUNG`, and kept while within
-    `RUNG_MARGIN` of it. The rest of a segment that fits the budget whole (a build counted) goes in one
-    call, off the grid: its shape is its own either way, and one call is cheaper than a piece and a rung.
-    A step's next call starts only while `SECOND_CALL_LEFT` of the budget is left. Until anything is
-    timed, chunks are the highest rung within `ceiling`, near mlx-lm's step.
-
-    The midpoints fill the budget where a power of two would leave a third of it unused: on an H200
-    (8B shape, a 25,000-token prompt beside a stream) 1,024-token chunks took about 133 ms of a 200 ms
-    budget, and the stream's decode step after each added about 12% to the prompt's prefill
-    (docs/benchmarks/gpu-h200-s18.md).
+    `grid` (MLX's CUDA backend): attention there builds a cuDNN graph for each new (query length,
+    cache length) of a prefill, tens of ms each (docs/benchmarks/gpu-h200-scheduler-s9.md), so chunks
+    keep to few shapes: a size is a power of two (a `rung`), and a chunk ends where the cache holds a
+    multiple of it, so the cache lengths repeat from prompt to prompt (a piece under `floor` tokens up
+    to the grid takes a rung with it). A chunk of a shape not met before is costed `BUILD_MS` more
+    than its tokens at the rate (the rate is measured net of it, the build taken as at most half the
+    chunk), so a step's chunk and its build fit the budget together: a rung is chosen for the budget
+    less a build, at least `GRID_MIN_RUNG`, and kept while within `RUNG_MARGIN` of it. The rest of a
+    segment that fits the budget whole (a build counted) goes in one call, off the grid: its shape is
+    its own either way, and one call is cheaper than a piece and a rung. A step's next call starts only
+    while `SECOND_CALL_LEFT` of the budget is left. Until anything is timed,
+    chunks are the largest power of two within `ceiling`, near mlx-lm's step.
     """
 
     def __init__(self, budget_ms: float, ceiling: int, floor: int = MIN_CHUNK_TOKENS, *,
@@ -227,7 +210,7 @@ class ChunkSizer:
         self.grid = grid
         #: Tokens per ms measured so far (on the grid, net of the builds); None until a chunk is timed.
         self.rate: float | None = None
-        #: The grid's current chunk size (a rung, `ladder_floor`); None until the first chunk on the grid.
+        #: The grid's current chunk size (a power of two); None until the first chunk on the grid.
         self.rung: int | None = None
         self._shapes: OrderedDict[tuple[int, int, int], None] = OrderedDict()
 
@@ -272,13 +255,13 @@ class ChunkSizer:
 
     def _rung(self, want: int) -> int:
         """The grid's chunk size for `want` tokens: the current rung while it is at most
-        `RUNG_MARGIN` times `want` and the rung above it would not fit; else the highest rung within
-        `want`; at least `GRID_MIN_RUNG` (and `floor`), at most `ceiling`."""
-        top = ladder_floor(self.ceiling)
+        `RUNG_MARGIN` times `want` and its double would not fit; else the largest power of two
+        within `want`; at least `GRID_MIN_RUNG` (and `floor`), at most `ceiling`."""
+        top = 1 << (self.ceiling.bit_length() - 1)
         low = min(top, max(GRID_MIN_RUNG, 1 << max(0, (self.floor - 1).bit_length())))
         r = self.rung
-        if r is None or r > RUNG_MARGIN * want or ladder_up(r) <= want:
-            r = ladder_floor(want)
+        if r is None or r > RUNG_MARGIN * want or 2 * r <= want:
+            r = 1 << max(0, max(1, want).bit_length() - 1)
         self.rung = max(low, min(top, r))
         return self.rung
 

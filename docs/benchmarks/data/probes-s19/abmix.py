@@ -1,7 +1,8 @@
 # Session 19: issue 28's long-prompt mix in-process, the grid's ladder of rungs (powers of two and the
-# midpoints between them, the engine's own since session 19) against powers of two only (the rungs before),
-# two engines in one process, their rounds interleaved as benchmarks.interleave interleaves its targets.
-# The ladder before is this file's copy of `ChunkSizer._rung` as it was at session 18's end (9cbb1c4).
+# midpoints between them, the engine's at 41086ea-e66d40f, taken out after this A/B) against powers of two
+# only, two engines in one process, their rounds interleaved as benchmarks.interleave interleaves its
+# targets. Powers of two are this file's copy of `ChunkSizer._rung` as at session 18's end (9cbb1c4), which
+# is the engine's own again since the A/B: at a later tree both targets run the same rungs.
 #   python3 docs/benchmarks/data/probes-s19/abmix.py [benchmarks.interleave's arguments]
 import collections
 import sys
