@@ -241,6 +241,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         #: ranks must step alike (a chunk sized by each rank's own clock would differ between them).
         self._prefills: list[Prefill] = []
         self._admitted = 0
+        #: A long prompt's last chunk ran in this step: MLX's buffers go back once the step is over.
+        self._release = False
         #: Prompt tokens prefilled outside the batch (the scheduler's chunks and the fast path's).
         self.prefill_tokens = 0
         #: The scheduler's model calls, and the prompts prefilled in calls that carried several (a burst).
@@ -331,7 +333,8 @@ class Engine(PromptBuilder, PrefillScheduler):
         """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,
         else the prefill budget's chunks (`prefill.py`) and a batch step (one token for every
         decoding sequence), and a second batch step on the scheduler's path where a prompt ended in
-        the first."""
+        the first; then, where a long prompt's last chunk ran in it on CUDA, MLX's freed buffers go
+        back (`_release`)."""
         if self._solo is not None and self._waiting:
             self._hand_over()
         self._admit()
@@ -345,6 +348,9 @@ class Engine(PromptBuilder, PrefillScheduler):
         # step's prefill (a budget's worth later). mlx-lm's own prefill has its next prompts' work there.
         if self._running and self._batch_step() and self.scheduled and self._running:
             self._batch_step()
+        if self._release:
+            self._release = False
+            mx.clear_cache()
 
     def _batch_step(self) -> bool:
         """One step of the batch (`BatchGenerator.next`): a token for every decoding sequence, its

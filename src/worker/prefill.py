@@ -338,7 +338,8 @@ def release(keep: bool) -> None:
     (0.99x, TTFT 0.96x) (docs/benchmarks/gpu-h200-s17.md). A lone prompt's chunks on the fast path
     (`Solo.prefill`) keep them too, until the prompt's last: in one H200 process (8B shape, 1,024-token
     chunks at the same depths), its chunks, clearing, took a median 141-145 ms against the scheduler's
-    133 ms, keeping (docs/benchmarks/gpu-h200-s18.md)."""
+    133 ms, keeping (docs/benchmarks/gpu-h200-s18.md). A long prompt's last call in the scheduler hands
+    them back after its step (`PrefillScheduler._release`)."""
     if not keep:
         mx.clear_cache()
 
@@ -471,6 +472,7 @@ class PrefillScheduler:
     _leaders: dict[tuple[int, ...], int]
     _prefills: list[Prefill]
     _admitted: int
+    _release: bool
 
     if TYPE_CHECKING:
         def _failed(self, seq: Sequence, exc: BaseException) -> None: ...
@@ -567,9 +569,10 @@ class PrefillScheduler:
                 continue
             if grid and any(p.ready and p.calls > 1 for p in rows):
                 # A long prompt is in: its cache's outgrown buffers, one a chunk and of sizes not met
-                # again, go back rather than stay cached, as after the fast path's last chunk (an 8B's
-                # 25,000 tokens on an H200 left 72.6 GiB cached; docs/benchmarks/gpu-h200-s19.md).
-                mx.clear_cache()
+                # again, go back rather than stay cached (an 8B's 25,000 tokens on an H200 left 61-72 GiB
+                # cached), after the step (`Engine.step`), whose join and first token reuse them
+                # (docs/benchmarks/gpu-h200-s19.md).
+                self._release = True
             width = n if len(rows) == 1 else widest
             # A batched call's work is its rows times its width, padding included, as `room` counts it.
             self.sizer.record(len(rows) * width, seconds, (len(rows), width, cached + width))
