@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 19, the last tree's figures (a fresh host: staged first, `bash .gpu/a/stage.sh && cp -r .gpu/a/vmx
+# .gpu/a/oai /root/stage/`, carry [".gpu/a"]; then this, carry [".gpu/b"]): issue 28's
+# long-prompt mix over HTTP with both MLX peers, 2 rounds, the engine with the ladder's midpoints.
+#   source .gpu/b/install.sh > /tmp/install.log 2>&1; setsid bash THIS >/dev/null 2>&1 </dev/null &
+#   sleep 2; L=/tmp/lease5 bash docs/benchmarks/data/probes-s19/poll.sh 540
+cd "$(dirname "$0")/../../../.."
+L=${L:-/tmp/lease5}; mkdir -p $L
+exec > >(tee -a $L/progress.txt) 2>&1
+step() { echo "=== $(date +%T) $*"; }
+export MLXRT_COMMIT=$(cat .gpu/b/commit) MLX_PTX_CACHE_DIR=/tmp/ptx
+echo $MLXRT_COMMIT > $L/commit; step env; echo "tree $MLXRT_COMMIT"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# vllm-mlx in a site of its own (its pinned mlx-lm); pydantic and the openai client from /tmp/site.
+python3 -m pip install -q --no-index --no-deps --target /tmp/vsite /root/stage/vmx/*.whl 2>&1 | tail -1
+python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site /root/stage/oai/*.whl 2>&1 | tail -1
+export MLXRT_BENCH_VLLM_MLX_SITE=/tmp/vsite MLXRT_BENCH_PEER_START_S=300 MLXRT_BENCH_SERVER_LOGS=$L/servers
+mkdir -p ~/.cache/huggingface/hub $L/servers
+step mix; timeout 600 python3 -m benchmarks.interleave --model synthetic:llama3.1-8b-4bit --b-tokens 25000 --rounds 2 \
+  --out $L/mix.json > $L/mix.log 2>&1; echo "rc $?"
+grep -E "^round|^\||skipped" $L/mix.log | cut -c1-260
+step pack; tar czf $L/all.tgz -C $L $(cd $L && ls -d commit mix.* servers 2>/dev/null)
+step done
