@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 19, second job on lease 1's host (or a fresh one: then stage and install again): issue 28's
-# long-prompt mix over HTTP with both MLX peers, 2 rounds, the engine with the ladder's midpoints.
+# long-prompt mix over HTTP with both MLX peers, 2 rounds (ran at adbeacf: powers of two again, a long prompt's
+# buffers back at its last chunk).
 #   source .gpu/b/install.sh > /tmp/install.log 2>&1; setsid bash THIS >/dev/null 2>&1 </dev/null &
 #   sleep 2; L=/tmp/lease2 bash docs/benchmarks/data/probes-s19/poll.sh 540
 cd "$(dirname "$0")/../../../.."

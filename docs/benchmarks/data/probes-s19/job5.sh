@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 19, the last tree's figures (a fresh host: staged first, `bash .gpu/a/stage.sh && cp -r .gpu/a/vmx
 # .gpu/a/oai /root/stage/`, carry [".gpu/a"]; then this, carry [".gpu/b"]): issue 28's
-# long-prompt mix over HTTP with both MLX peers, 2 rounds, the engine with the ladder's midpoints.
+# long-prompt mix over HTTP with both MLX peers, 2 rounds (d4343f8's engine: a long prompt's buffers back
+# after its step).
 #   source .gpu/b/install.sh > /tmp/install.log 2>&1; setsid bash THIS >/dev/null 2>&1 </dev/null &
 #   sleep 2; L=/tmp/lease5 bash docs/benchmarks/data/probes-s19/poll.sh 540
 cd "$(dirname "$0")/../../../.."
