@@ -569,7 +569,7 @@ class PrefillScheduler:
                 continue
             if grid and any(p.ready and p.calls > 1 for p in rows):
                 # A long prompt is in: its cache's outgrown buffers, one a chunk and of sizes not met
-                # again, go back rather than stay cached (an 8B's 25,000 tokens on an H200 left 61-72 GiB
+                # again, go back rather than stay cached (an 8B's 25,000 tokens on an H200 left 59-73 GiB
                 # cached), after the step (`Engine.step`), whose join and first token reuse them
                 # (docs/benchmarks/gpu-h200-s19.md).
                 self._release = True
