@@ -68,6 +68,8 @@ class StormRecord:
     requests: list[Request] = field(default_factory=list)
     #: Client threads still inside a request `GENERATION_ALLOWANCE_S + queue_s` after the storm.
     hung: int = 0
+    #: Requests that went on on another worker after theirs was killed (`WorkerInfo.resumes`, all slots).
+    resumes: int = 0
     recovered: bool = False
     orphans: list[int] = field(default_factory=list)
     segments_left: list[str] = field(default_factory=list)
@@ -113,6 +115,7 @@ def run_storm(
                seed=seed, pids_seen=pids_seen)
         record.recovered = _recovers(rt, queue_s + GENERATION_ALLOWANCE_S)
         pids_seen.update(w.pid for w in rt.workers if w.pid > 0)
+        record.resumes = sum(w.resumes for w in rt.workers)
     finally:
         rt.close()
     record.orphans = sorted(p.pid for p in still_alive(pids_seen))
@@ -256,8 +259,8 @@ def summary(record: StormRecord) -> dict:
         "median_ok_wait_s": sorted(ok)[len(ok) // 2] if ok else None,
         "worst_error_wait_s": max((r.waited_s for r in record.requests if r.outcome != "ok"), default=None),
         "worst_worker_died_after_kill_s": record.worst_after_kill_s(),
-        "hung": record.hung, "recovered": record.recovered, "orphans": record.orphans,
-        "segments_left": record.segments_left,
+        "hung": record.hung, "resumes": record.resumes, "recovered": record.recovered,
+        "orphans": record.orphans, "segments_left": record.segments_left,
     }
 
 

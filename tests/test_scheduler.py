@@ -498,29 +498,86 @@ def test_on_the_grid_a_lone_prompt_keeps_mlx_buffers_between_its_chunks(tiny_mod
     assert len(cleared) == len(recording.ends) > 2 and rec.ids[d.id] == expected[d.id]
 
 
-def test_on_the_grid_a_long_prompt_beside_a_stream_hands_mlx_buffers_back_after_its_last_chunk(
-        tiny_model, alone, monkeypatch):
-    """On the grid, a long prompt prefilled by the scheduler (a stream decoding beside it) keeps MLX's
-    freed buffers between its chunks and hands them back once, after its last: its cache's outgrown
-    buffers are not left cached while it decodes. Both keep their tokens alone."""
+def counted_clears(monkeypatch, engine: Engine, rec: Events) -> list[tuple[int, int]]:
+    """Each `mx.clear_cache` from now on, as (the scheduler's calls, the listener's events) at the time."""
     import mlx.core as mx
 
-    engine, recording, rec = grid_engine(tiny_model, 1)
     cleared, clear = [], mx.clear_cache
-    a, b = gen(2, short_prompt(4), max_tokens=30), gen(3, long_prompt(7, 12), max_tokens=4)
-    expected = {r.id: alone(r) for r in (a, b)}
-    run(engine, rec, {0: [a]})  # A alone: the fast path's prompt, its own clearing; then B beside it
-    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(len(recording.ends)) or clear())
-    recording.ends.clear()
+    monkeypatch.setattr(mx, "clear_cache",
+                        lambda: cleared.append((engine.prefill_calls, len(rec.events))) or clear())
+    return cleared
+
+
+def test_on_the_grid_a_long_prompt_hands_mlx_buffers_back_after_the_step_of_its_last_chunk(
+        tiny_model, alone, monkeypatch):
+    """On the grid, a long prompt prefilled beside a stream hands MLX's buffers back once: after its last
+    chunk, and after its first token (the step's join reuses them), never between its chunks."""
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    a, b = gen(2, short_prompt(5), max_tokens=30), gen(3, long_prompt(7, 12), max_tokens=4)
+    run(engine, rec, {0: [a]})  # A alone first: the fast path's prompt and its own clearing
+    a = gen(4, short_prompt(5), max_tokens=30)
+    cleared = counted_clears(monkeypatch, engine, rec)
     calls = engine.prefill_calls
-    a2 = gen(4, short_prompt(5), max_tokens=30)
-    expected[a2.id] = alone(a2)
-    run(engine, rec, {0: [a2], 2: [b]})
-    ends = recording.ends
-    a2_calls = sum(1 for _, end in ends if end <= len(a2.prompt_ids))  # A2 went the fast path's way first
-    assert engine.prefill_calls - calls > 2 and ends[a2_calls][1] > len(a2.prompt_ids)
-    assert [c for c in cleared if c > a2_calls] == [len(ends)]  # B's: once, after its last call
-    assert all(rec.ids[r.id] == expected[r.id] for r in (a, a2, b))
+    run(engine, rec, {0: [a], 2: [b]})
+    assert engine.prefill_calls - calls > 2
+    (calls_then, events_then), = [c for c in cleared if c[0] > calls]  # past A's own prompt (the fast path's)
+    assert calls_then == engine.prefill_calls and rec.first("token", b.id) < events_then
+    assert rec.ids[a.id] == alone(a) and rec.ids[b.id] == alone(b)
+
+
+def test_on_the_grid_chats_under_new_system_prompts_keep_mlx_buffers(tiny_model, monkeypatch):
+    """On the grid, a burst of short chats whose system prompts are not cached yet goes in two calls each
+    (the system prompt, then the rest), none in pieces: MLX's buffers stay cached for the next calls."""
+    from support import chat, run_batch
+    from support import gen as request
+
+    opts = EngineOptions(prefill_budget_ms=10_000, prefill_step_size=512)
+    engine, ref = Engine(tiny_model, options=opts), Engine(tiny_model, options=opts)
+    engine.sizer = ChunkSizer(10_000, 512, grid=True)
+    engine.sizer.rate = 1e6
+    reqs = [request(800 + k, max_tokens=4,
+                    messages=chat(f"Ship {k}: what did you see?", system=f"Lighthouse {k} log. " * 3))
+            for k in range(4)]
+    cleared = counted_clears(monkeypatch, engine, Events())
+    burst = run_batch(engine, reqs)
+    assert engine.prefill_calls >= 2 and engine.prefill_batched >= 8 and not burst.errors and cleared == []
+    assert all(burst.ids[r.id] == run_batch(ref, [r]).ids[r.id] for r in reqs)
+
+
+def test_on_the_grid_a_prompt_handed_over_from_the_fast_path_hands_its_buffers_back(
+        tiny_model, alone, monkeypatch):
+    """A long prompt that began alone on the fast path (its chunks keeping MLX's buffers) and went on in
+    the scheduler when a stream arrived, its rest in one call there, still hands them back once it is in."""
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    b, a = gen(3, long_prompt(8, 12), max_tokens=4), gen(4, short_prompt(6), max_tokens=20)
+    cleared = counted_clears(monkeypatch, engine, rec)
+    engine.submit(b, rec)
+    engine.step()
+    engine.step()
+    assert engine.prefill_calls == 0 and len(recording.ends) == 2 and cleared == []  # two fast-path chunks
+    engine.sizer.budget_ms, engine.sizer.rate = 10_000, 1e6  # the rest fits one call
+    run(engine, rec, {0: [a]})
+    assert len(cleared) == 1 and rec.first("token", b.id) < cleared[0][1]
+    assert rec.ids[a.id] == alone(a) and rec.ids[b.id] == alone(b)
+
+
+def test_on_the_grid_a_long_prompt_cancelled_between_its_chunks_hands_its_buffers_back(
+        tiny_model, alone, monkeypatch):
+    """A long prompt cancelled between two of its chunks in the scheduler hands MLX's buffers back at
+    once (the engine may step no more); the stream beside it keeps its tokens."""
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    a, b = gen(2, short_prompt(7), max_tokens=20), gen(3, long_prompt(9, 12), max_tokens=4)
+    engine.submit(a, rec)
+    engine.step()
+    engine.submit(b, rec)
+    for _ in range(3):
+        engine.step()
+    cleared = counted_clears(monkeypatch, engine, rec)
+    calls = engine.prefill_calls
+    assert calls >= 2 and any(p.seq.req.id == b.id for p in engine._prefills)
+    assert engine.cancel(b.id) and len(cleared) == 1
+    run(engine, rec, {})
+    assert len(cleared) == 1 and rec.ids[a.id] == alone(a)  # (`alone`'s own engine clears: counted last)
 
 
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):

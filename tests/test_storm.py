@@ -30,11 +30,11 @@ def test_crash_storm_every_request_ends(tiny_model):
     assert record.hung == 0, f"{record.hung} client threads still inside a request: a hang"
     assert len(record.kills) >= 8, "the storm did not happen"
     outcomes = record.outcomes()
-    # Kills that met requests in flight: each of those resumed on another worker or ended in a clear error.
-    # How many end either way follows the machine's speed (all 228 resumed in one run here): not asserted.
-    hit = [r for r in record.requests
-           if any(r.started_s < t < r.started_s + r.waited_s for t, _ in record.kills)]
-    assert outcomes.get("ok", 0) > 0 and hit, f"no request was in flight at a kill: {outcomes}"
+    assert outcomes.get("ok", 0) > 0, f"no request succeeded in the storm: {outcomes}"
+    # Kills met requests in flight: each went on on another worker or ended in a clear error. How many went
+    # each way follows the machine's speed (in four runs on this VM, every one went on): not asserted.
+    errors = sum(outcomes.values()) - outcomes["ok"]
+    assert record.resumes + errors > 0, "no kill met a request in flight"
     assert {r.streamed for r in record.requests} == {True, False}
     for r in record.requests:
         assert r.outcome == "ok" or r.outcome in CLEAR, f"unclear error: {r.outcome}: {r.message}"

@@ -721,6 +721,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         self._solo = None
         if self.scheduled and solo.prefilling:  # its prompt goes on in the scheduler's chunks
             self._add_prefill(seq, full_precision(solo.cache), solo.segments, list(solo.tokens))
+            self._prefills[-1].pieces = len(solo.tokens) > seq.cached_tokens  # kept its chunks' buffers
             return
         try:
             args = solo.handoff()
@@ -811,8 +812,12 @@ class Engine(PromptBuilder, PrefillScheduler):
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
         prefill = next((p for p in self._prefills if p.seq is seq), None)
         if self._solo is not None and self._solo.seq is seq:
+            if self._solo.prefilling and self.scheduled and self.sizer.grid:  # its chunks kept their buffers
+                mx.clear_cache()
             self._solo = None
         elif prefill is not None:
+            if prefill.pieces and self.sizer.grid:  # as at its last chunk (`_release`), now
+                mx.clear_cache()
             self._prefills.remove(prefill)
         else:
             del self._running[seq.uid]

@@ -93,8 +93,9 @@ class Prefill:
     skipped: int = 0
     #: Admission order: ties go to the earlier.
     order: int = 0
-    #: Prefill calls this prompt has been in so far.
-    calls: int = 0
+    #: Whether it went in pieces (a call ended inside a segment, or the fast path ran chunks of it): on the
+    #: grid the buffers its cache outgrew go back to MLX once it is in (`PrefillScheduler._release`).
+    pieces: bool = False
 
     @property
     def remaining(self) -> int:
@@ -297,9 +298,9 @@ def run_chunk(model, p: Prefill, size: int, stream, *, keep: bool = False) -> tu
     seconds = time.perf_counter() - t0
     release(keep)
     p.tokens += chunk
-    p.calls += 1
     p.seq.prefill_s += seconds
     ended = not p.segments[0]
+    p.pieces = p.pieces or not ended
     if ended:
         p.segments.pop(0)
     return len(chunk), seconds, ended
@@ -323,7 +324,6 @@ def run_rows(model, rows: list[Prefill], stream, width: int = 0, *, keep: bool =
     for p, chunk, cache in zip(rows, chunks, caches, strict=True):
         p.cache = cache
         p.tokens += chunk
-        p.calls += 1
         p.seq.prefill_s += seconds
     return sum(len(c) for c in chunks), seconds
 
@@ -339,7 +339,7 @@ def release(keep: bool) -> None:
     (`Solo.prefill`) keep them too, until the prompt's last: in one H200 process (8B shape, 1,024-token
     chunks at the same depths), its chunks, clearing, took a median 141-145 ms against the scheduler's
     133 ms, keeping (docs/benchmarks/gpu-h200-s18.md). A long prompt's last call in the scheduler hands
-    them back after its step (`PrefillScheduler._release`)."""
+    them back after its step (`PrefillScheduler._release`), or when it ends before (`Engine._finish`)."""
     if not keep:
         mx.clear_cache()
 
@@ -566,12 +566,9 @@ class PrefillScheduler:
                     self._prefills.remove(p)
                     self._unlead(p.seq)
                     self._failed(p.seq, error)
+                    self._release = self._release or (grid and p.pieces)
                 continue
-            if grid and any(p.ready and p.calls > 1 for p in rows):
-                # A long prompt is in: its cache's outgrown buffers, one a chunk and of sizes not met
-                # again, go back rather than stay cached (an 8B's 25,000 tokens on an H200 left 59-73 GiB
-                # cached), after the step (`Engine.step`), whose join and first token reuse them
-                # (docs/benchmarks/gpu-h200-s19.md).
+            if grid and any(p.ready and p.pieces for p in rows):  # its outgrown buffers: back after the step
                 self._release = True
             width = n if len(rows) == 1 else widest
             # A batched call's work is its rows times its width, padding included, as `room` counts it.
