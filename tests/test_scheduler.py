@@ -527,7 +527,8 @@ def test_on_the_grid_a_long_prompt_hands_mlx_buffers_back_after_the_step_of_its_
 
 def test_on_the_grid_chats_under_new_system_prompts_keep_mlx_buffers(tiny_model, monkeypatch):
     """On the grid, a burst of short chats whose system prompts are not cached yet goes in two calls each
-    (the system prompt, then the rest), none in pieces: MLX's buffers stay cached for the next calls."""
+    (the system prompt, then the rest), none in pieces: MLX's buffers stay cached for the next calls; so
+    too where the first began alone on the fast path and was handed over."""
     from support import chat, run_batch
     from support import gen as request
 
@@ -541,6 +542,14 @@ def test_on_the_grid_chats_under_new_system_prompts_keep_mlx_buffers(tiny_model,
     cleared = counted_clears(monkeypatch, engine, Events())
     burst = run_batch(engine, reqs)
     assert engine.prefill_calls >= 2 and engine.prefill_batched >= 8 and not burst.errors and cleared == []
+    first, *rest = [request(900 + k, max_tokens=4, messages=chat(f"Ship {k}?", system=f"Tower {k} log. " * 3))
+                    for k in range(4)]
+    late = Events()
+    engine.submit(first, late)
+    engine.step()  # alone: the fast path runs its system prompt, whole
+    assert engine._solo is not None and engine._solo.prefilling
+    run(engine, late, {0: rest})  # the others hand it over to the scheduler
+    assert cleared == [] and all(late.ids[r.id] == run_batch(ref, [r]).ids[r.id] for r in [first, *rest])
     assert all(burst.ids[r.id] == run_batch(ref, [r]).ids[r.id] for r in reqs)
 
 
@@ -557,6 +566,7 @@ def test_on_the_grid_a_prompt_handed_over_from_the_fast_path_hands_its_buffers_b
     assert engine.prefill_calls == 0 and len(recording.ends) == 2 and cleared == []  # two fast-path chunks
     engine.sizer.budget_ms, engine.sizer.rate = 10_000, 1e6  # the rest fits one call
     run(engine, rec, {0: [a]})
+    assert engine.prefill_calls == 1  # B's rest, beside A's prompt: B itself cut nothing in the scheduler
     assert len(cleared) == 1 and rec.first("token", b.id) < cleared[0][1]
     assert rec.ids[a.id] == alone(a) and rec.ids[b.id] == alone(b)
 

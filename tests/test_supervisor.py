@@ -54,8 +54,12 @@ def test_queued_request_is_replayed_on_the_replacement(tiny_model):
     with Runtime(model=tiny_model, transport="stdio", supervision=Supervision(**FAST, max_resumes=0)) as rt:
         running = rt.stream("hello", max_tokens=400, ignore_eos=True)
         next(running)
+        pid = rt.workers[0].pid
+        # Stopped, the worker reads nothing more, so the next request is still queued at the kill (a fast
+        # worker could start it first, and with resumes off fail it: a fresh clone's CI did once).
+        os.kill(pid, signal.SIGSTOP)
         queued = rt.stream("hello", max_tokens=8, ignore_eos=True)
-        os.kill(rt.workers[0].pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerDied):
             run_with_deadline(lambda: list(running), 5)
         chunks = run_with_deadline(lambda: list(queued), 60)

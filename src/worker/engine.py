@@ -96,7 +96,7 @@ from .limits import (
     prefill_token_cap,
 )
 from .logprobs import TokenBytes, token_logprobs
-from .prefill import ChunkSizer, Prefill, PrefillScheduler, prompt_segments
+from .prefill import ChunkSizer, Prefill, PrefillScheduler, outgrown, prompt_segments
 from .prefix_cache import PrefixCache
 from .prompt import DEFAULT_CONTEXT_LENGTH, PromptBuilder, capabilities, check_request, reasoning_open
 from .prompt_file import load_prompt_file
@@ -676,6 +676,7 @@ class Engine(PromptBuilder, PrefillScheduler):
             if self.group is not None:
                 self.group.abort(exc)
             reseed()
+            self._end_solo_prefill(solo)
             self._solo = None
             error = BatchStepError(f"single-stream step failed: {exc!r}")
             error.__cause__ = exc
@@ -685,6 +686,12 @@ class Engine(PromptBuilder, PrefillScheduler):
         reason = self._advance(seq, token, mlx_reason, 1, time.perf_counter())
         if reason is not None:
             self._finish(seq, reason, solo.cache, solo.tokens)
+
+    def _end_solo_prefill(self, solo: Solo) -> None:
+        """A lone prompt ends before its last chunk: what its chunks kept on the grid goes back."""
+        kept = self.scheduled and self.kv is None and self.sizer.grid  # as `_solo_prefill` keeps them
+        if kept and solo.prefilling and outgrown(solo.pieces, solo.tokens, solo.seq, self.sizer.ceiling):
+            mx.clear_cache()
 
     def _solo_prefill(self, solo: Solo) -> bool:
         """One prefill chunk of the lone sequence, sized to the budget as the scheduler's are (but with
@@ -721,7 +728,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         self._solo = None
         if self.scheduled and solo.prefilling:  # its prompt goes on in the scheduler's chunks
             self._add_prefill(seq, full_precision(solo.cache), solo.segments, list(solo.tokens))
-            self._prefills[-1].pieces = len(solo.tokens) > seq.cached_tokens  # kept its chunks' buffers
+            self._prefills[-1].pieces = solo.pieces
             return
         try:
             args = solo.handoff()
@@ -812,11 +819,10 @@ class Engine(PromptBuilder, PrefillScheduler):
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
         prefill = next((p for p in self._prefills if p.seq is seq), None)
         if self._solo is not None and self._solo.seq is seq:
-            if self._solo.prefilling and self.scheduled and self.sizer.grid:  # its chunks kept their buffers
-                mx.clear_cache()
+            self._end_solo_prefill(self._solo)
             self._solo = None
         elif prefill is not None:
-            if prefill.pieces and self.sizer.grid:  # as at its last chunk (`_release`), now
+            if self.sizer.grid and self._outgrown(prefill):  # as after its last chunk (`_release`), now
                 mx.clear_cache()
             self._prefills.remove(prefill)
         else:

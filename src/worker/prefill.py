@@ -93,8 +93,7 @@ class Prefill:
     skipped: int = 0
     #: Admission order: ties go to the earlier.
     order: int = 0
-    #: Whether it went in pieces (a call ended inside a segment, or the fast path ran chunks of it): on the
-    #: grid the buffers its cache outgrew go back to MLX once it is in (`PrefillScheduler._release`).
+    #: Whether it went in pieces: a call (here or on the fast path) ended inside a segment (`outgrown`).
     pieces: bool = False
 
     @property
@@ -113,6 +112,14 @@ class Prefill:
         checkpoint there, or the prompt's end where its other choices start from it."""
         kind, forking = next_boundary(self.seq)
         return kind is not None or forking
+
+
+def outgrown(pieces: bool, tokens: list[int], seq: Sequence, ceiling: int) -> bool:
+    """Whether a prompt's cache, `tokens` long, outgrew buffers worth handing back to MLX once it is in or
+    ends: it went in `pieces`, more than one call's worth (`ceiling`) prefilled for it. On the grid they stay
+    cached otherwise (59-73 GiB after an 8B's 25,000 tokens on an H200, docs/benchmarks/gpu-h200-s19.md),
+    while a short prompt's cut at a step's end leaves little, and a burst's next calls reuse it."""
+    return pieces and len(tokens) - seq.cached_tokens > ceiling
 
 
 def next_boundary(seq: Sequence) -> tuple[str | None, bool]:
@@ -339,7 +346,8 @@ def release(keep: bool) -> None:
     (`Solo.prefill`) keep them too, until the prompt's last: in one H200 process (8B shape, 1,024-token
     chunks at the same depths), its chunks, clearing, took a median 141-145 ms against the scheduler's
     133 ms, keeping (docs/benchmarks/gpu-h200-s18.md). A long prompt's last call in the scheduler hands
-    them back after its step (`PrefillScheduler._release`), or when it ends before (`Engine._finish`)."""
+    them back after its step (`PrefillScheduler._release`; a failed call's, after its step too), or when it
+    is cancelled before (`Engine._finish`); so does a lone prompt that fails (`outgrown`)."""
     if not keep:
         mx.clear_cache()
 
@@ -566,9 +574,9 @@ class PrefillScheduler:
                     self._prefills.remove(p)
                     self._unlead(p.seq)
                     self._failed(p.seq, error)
-                    self._release = self._release or (grid and p.pieces)
+                    self._release = self._release or (grid and self._outgrown(p))
                 continue
-            if grid and any(p.ready and p.pieces for p in rows):  # its outgrown buffers: back after the step
+            if grid and any(p.ready and self._outgrown(p) for p in rows):  # back after the step, its join's
                 self._release = True
             width = n if len(rows) == 1 else widest
             # A batched call's work is its rows times its width, padding included, as `room` counts it.
@@ -587,6 +595,9 @@ class PrefillScheduler:
                 # they start in this budget.
                 self._admit()
             self._join_ready()  # the rows, and any admitted, down to their last token
+
+    def _outgrown(self, p: Prefill) -> bool:
+        return outgrown(p.pieces, p.tokens, p.seq, self.sizer.ceiling)
 
     def _join_ready(self) -> None:
         """Every prompt left with only its last token joins the batch (`pick` must never see one)."""

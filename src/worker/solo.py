@@ -99,6 +99,8 @@ class Solo:
         self._head = 0
         #: The tokens whose keys and values are in `cache`, in order.
         self.tokens = list(seq.ids[: seq.cached_tokens])
+        #: Whether a chunk ended inside a segment (`prefill.Prefill.pieces`).
+        self.pieces = False
         segments = [list(s) for s in segments if s]
         if len(segments[-1]) != 1:  # the last token is the first decode step's input, as in mlx-lm
             segments.append(segments[-1][-1:])
@@ -152,6 +154,7 @@ class Solo:
             if not keep or (not self.segments[0] and len(self.segments) == 2):  # the prompt's last chunk
                 mx.clear_cache()
             self.tokens += chunk
+            self.pieces = self.pieces or bool(self.segments[0])
             if self.segments[0]:
                 return False
             self.segments.pop(0)
