@@ -590,6 +590,20 @@ def test_on_the_grid_a_long_prompt_cancelled_between_its_chunks_hands_its_buffer
     assert len(cleared) == 1 and rec.ids[a.id] == alone(a)  # (`alone`'s own engine clears: counted last)
 
 
+def test_on_the_grid_a_lone_prompt_cancelled_between_its_chunks_hands_its_buffers_back(
+        tiny_model, monkeypatch):
+    """A long prompt alone on the fast path, cancelled between two of its chunks (which kept MLX's
+    buffers), hands them back at once."""
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    b = gen(3, long_prompt(10, 12), max_tokens=4)
+    cleared = counted_clears(monkeypatch, engine, rec)
+    engine.submit(b, rec)
+    engine.step()
+    engine.step()
+    assert engine._solo is not None and len(recording.ends) == 2 and cleared == []
+    assert engine.cancel(b.id) and len(cleared) == 1 and not engine.busy
+
+
 def test_prefill_budget_is_checked_and_read_from_the_environment(monkeypatch):
     """A negative budget is refused naming the field; MLXRT_PREFILL_BUDGET_MS sets it."""
     with pytest.raises(ValueError, match="prefill_budget_ms"):

@@ -96,7 +96,7 @@ from .limits import (
     prefill_token_cap,
 )
 from .logprobs import TokenBytes, token_logprobs
-from .prefill import ChunkSizer, Prefill, PrefillScheduler, outgrown, prompt_segments
+from .prefill import ChunkSizer, Prefill, PrefillScheduler, prompt_segments
 from .prefix_cache import PrefixCache
 from .prompt import DEFAULT_CONTEXT_LENGTH, PromptBuilder, capabilities, check_request, reasoning_open
 from .prompt_file import load_prompt_file
@@ -241,8 +241,6 @@ class Engine(PromptBuilder, PrefillScheduler):
         #: ranks must step alike (a chunk sized by each rank's own clock would differ between them).
         self._prefills: list[Prefill] = []
         self._admitted = 0
-        #: A long prompt's last chunk ran in this step: MLX's buffers go back once the step is over.
-        self._release = False
         #: Prompt tokens prefilled outside the batch (the scheduler's chunks and the fast path's).
         self.prefill_tokens = 0
         #: The scheduler's model calls, and the prompts prefilled in calls that carried several (a burst).
@@ -330,11 +328,10 @@ class Engine(PromptBuilder, PrefillScheduler):
             self._disk.close(max(0.0, deadline - time.monotonic()))
 
     def step(self) -> None:
-        """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path,
-        else the prefill budget's chunks (`prefill.py`) and a batch step (one token for every
-        decoding sequence), and a second batch step on the scheduler's path where a prompt ended in
-        the first; then, where a long prompt's last chunk ran in it on CUDA, MLX's freed buffers go
-        back (`_release`)."""
+        """Admit waiting requests, then run one step: a prefill chunk or one token on the fast path, else
+        the prefill budget's chunks (`prefill.py`) and a batch step (one token for every decoding
+        sequence), a second batch step on the scheduler's path where a prompt ended in the first, and
+        the buffers a long prompt outgrew handed back (`_end_step`)."""
         if self._solo is not None and self._waiting:
             self._hand_over()
         self._admit()
@@ -348,9 +345,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         # step's prefill (a budget's worth later). mlx-lm's own prefill has its next prompts' work there.
         if self._running and self._batch_step() and self.scheduled and self._running:
             self._batch_step()
-        if self._release:
-            self._release = False
-            mx.clear_cache()
+        self._end_step()
 
     def _batch_step(self) -> bool:
         """One step of the batch (`BatchGenerator.next`): a token for every decoding sequence, its
@@ -676,7 +671,7 @@ class Engine(PromptBuilder, PrefillScheduler):
             if self.group is not None:
                 self.group.abort(exc)
             reseed()
-            self._end_solo_prefill(solo)
+            solo.end()
             self._solo = None
             error = BatchStepError(f"single-stream step failed: {exc!r}")
             error.__cause__ = exc
@@ -686,12 +681,6 @@ class Engine(PromptBuilder, PrefillScheduler):
         reason = self._advance(seq, token, mlx_reason, 1, time.perf_counter())
         if reason is not None:
             self._finish(seq, reason, solo.cache, solo.tokens)
-
-    def _end_solo_prefill(self, solo: Solo) -> None:
-        """A lone prompt ends before its last chunk: what its chunks kept on the grid goes back."""
-        kept = self.scheduled and self.kv is None and self.sizer.grid  # as `_solo_prefill` keeps them
-        if kept and solo.prefilling and outgrown(solo.pieces, solo.tokens, solo.seq, self.sizer.ceiling):
-            mx.clear_cache()
 
     def _solo_prefill(self, solo: Solo) -> bool:
         """One prefill chunk of the lone sequence, sized to the budget as the scheduler's are (but with
@@ -819,12 +808,10 @@ class Engine(PromptBuilder, PrefillScheduler):
     def _finish(self, seq: Sequence, reason: str, cache=None, tokens=None) -> None:
         prefill = next((p for p in self._prefills if p.seq is seq), None)
         if self._solo is not None and self._solo.seq is seq:
-            self._end_solo_prefill(self._solo)
+            self._solo.end()
             self._solo = None
         elif prefill is not None:
-            if self.sizer.grid and self._outgrown(prefill):  # as after its last chunk (`_release`), now
-                mx.clear_cache()
-            self._prefills.remove(prefill)
+            self._drop(prefill)
         else:
             del self._running[seq.uid]
             self._with_logprobs.discard(seq.uid)

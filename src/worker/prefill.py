@@ -49,6 +49,9 @@ from .limits import PrefillSteps
 from .prefix_cache import PrefixCache
 from .sequence import BatchStepError, Sequence, reseed
 
+if TYPE_CHECKING:
+    from .solo import Solo
+
 #: The smallest chunk the budget may ask for: below it, per-call overheads outweigh the work.
 MIN_CHUNK_TOKENS = 32
 #: Budget-sized chunks are a multiple of this many tokens: a few shapes rather than one per size (a GPU
@@ -114,12 +117,13 @@ class Prefill:
         return kind is not None or forking
 
 
-def outgrown(pieces: bool, tokens: list[int], seq: Sequence, ceiling: int) -> bool:
-    """Whether a prompt's cache, `tokens` long, outgrew buffers worth handing back to MLX once it is in or
-    ends: it went in `pieces`, more than one call's worth (`ceiling`) prefilled for it. On the grid they stay
-    cached otherwise (59-73 GiB after an 8B's 25,000 tokens on an H200, docs/benchmarks/gpu-h200-s19.md),
-    while a short prompt's cut at a step's end leaves little, and a burst's next calls reuse it."""
-    return pieces and len(tokens) - seq.cached_tokens > ceiling
+def outgrown(p: Prefill | Solo, ceiling: int) -> bool:
+    """Whether the cache of `p` (here, or on the fast path) outgrew buffers worth handing back to MLX once
+    it is in or ends: it went in pieces, more than one call's worth (`ceiling`) prefilled for it. On the
+    grid they stay cached otherwise (59-73 GiB after an 8B's 25,000 tokens on an H200,
+    docs/benchmarks/gpu-h200-s19.md), while a short prompt's cut at a step's end leaves little, and a
+    burst's next calls reuse it."""
+    return p.pieces and len(p.tokens) - p.seq.cached_tokens > ceiling
 
 
 def next_boundary(seq: Sequence) -> tuple[str | None, bool]:
@@ -480,7 +484,8 @@ class PrefillScheduler:
     _leaders: dict[tuple[int, ...], int]
     _prefills: list[Prefill]
     _admitted: int
-    _release: bool
+    #: A long prompt's last chunk ran in this step: MLX's buffers go back once the step is over (`_end_step`).
+    _release: bool = False
 
     if TYPE_CHECKING:
         def _failed(self, seq: Sequence, exc: BaseException) -> None: ...
@@ -597,7 +602,20 @@ class PrefillScheduler:
             self._join_ready()  # the rows, and any admitted, down to their last token
 
     def _outgrown(self, p: Prefill) -> bool:
-        return outgrown(p.pieces, p.tokens, p.seq, self.sizer.ceiling)
+        return outgrown(p, self.sizer.ceiling)
+
+    def _end_step(self) -> None:
+        """After a step: where a long prompt's last chunk ran in it, MLX's buffers go back, its join and
+        first token having reused them."""
+        if self._release:
+            self._release = False
+            mx.clear_cache()
+
+    def _drop(self, p: Prefill) -> None:
+        """`p` ends before it is in (cancelled): what its cache outgrew goes back at once."""
+        if self.sizer.grid and self._outgrown(p):
+            mx.clear_cache()
+        self._prefills.remove(p)
 
     def _join_ready(self) -> None:
         """Every prompt left with only its last token joins the batch (`pick` must never see one)."""

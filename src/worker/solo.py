@@ -48,6 +48,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from .draft_policy import DraftPolicy, Window
 from .kvcache import KVQuant, full_precision, make_cache, quantize
+from .prefill import outgrown
 from .sequence import Sequence, unsample
 
 #: Give MLX's cached buffers back every this many tokens, as `generate_step` does.
@@ -99,8 +100,9 @@ class Solo:
         self._head = 0
         #: The tokens whose keys and values are in `cache`, in order.
         self.tokens = list(seq.ids[: seq.cached_tokens])
-        #: Whether a chunk ended inside a segment (`prefill.Prefill.pieces`).
-        self.pieces = False
+        #: Whether a chunk ended inside a segment (`prefill.Prefill.pieces`); whether MLX's freed buffers
+        #: are kept from the last chunk (`prefill(keep=)`).
+        self.pieces = self._kept = False
         segments = [list(s) for s in segments if s]
         if len(segments[-1]) != 1:  # the last token is the first decode step's input, as in mlx-lm
             segments.append(segments[-1][-1:])
@@ -123,6 +125,12 @@ class Solo:
         #: only for a sequence that asks for them.
         self.logprobs: mx.array | None = None
         self._resume: int | None = None  # delivered without lookahead: the batch's next input
+
+    def end(self) -> None:
+        """It ends before its prompt is in (cancelled, failed): the buffers its chunks kept go back where
+        its cache outgrew them (`prefill.outgrown`)."""
+        if self._kept and outgrown(self, self._step_size):
+            mx.clear_cache()
 
     @property
     def prefilling(self) -> bool:
@@ -151,7 +159,8 @@ class Solo:
                     if one_a_call:  # queued as a decode step is; one graph of many calls ran slower on an
                         mx.async_eval([c.state for c in self.cache])  # H200 (gpu-h200-resume-evict-vision.md)
                 mx.eval([c.state for c in self.cache])
-            if not keep or (not self.segments[0] and len(self.segments) == 2):  # the prompt's last chunk
+            self._kept = keep and not (not self.segments[0] and len(self.segments) == 2)  # but after the last
+            if not self._kept:
                 mx.clear_cache()
             self.tokens += chunk
             self.pieces = self.pieces or bool(self.segments[0])
