@@ -351,7 +351,7 @@ def release(keep: bool) -> None:
     chunks at the same depths), its chunks, clearing, took a median 141-145 ms against the scheduler's
     133 ms, keeping (docs/benchmarks/gpu-h200-s18.md). A long prompt's last call in the scheduler hands
     them back after its step (`PrefillScheduler._release`; a failed call's, after its step too), or when it
-    is cancelled before (`Engine._finish`); so does a lone prompt that fails (`outgrown`)."""
+    is cancelled before (`_drop`); so does a lone prompt cancelled or failed mid-prompt (`Solo.end`)."""
     if not keep:
         mx.clear_cache()
 
