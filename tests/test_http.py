@@ -329,11 +329,16 @@ def test_oversized_body_is_413(http):
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True,
                          "stream": True}),
-    ("/api/generate", {"model": "tiny", "prompt": "Hi", "raw": True,
+    # Not "Hi": the tiny model's greedy reply to it ends after 3 tokens, before a loaded machine's
+    # client hangs up, and the generation then ends as "stop", not "disconnected".
+    ("/api/generate", {"model": "tiny", "prompt": "Hello", "raw": True,
                        "options": {"num_predict": 500, "temperature": 0}}),
 ])
 def test_client_disconnect_cancels_generation(srv, http, path, body):
     """Hanging up mid-stream stops the worker: it produces far fewer than max_tokens tokens."""
+    whole = http.post(path, json={**body, "stream": False}).json()  # left alone, it runs to its limit
+    ended = whole["choices"][0]["finish_reason"] if "choices" in whole else whole["done_reason"]
+    assert ended == "length"
     gone = metric(http, "mlxrt_generations_total", model="tiny", reason="disconnected")
     before = srv.rt.workers[0].tokens
     with httpx.Client(base_url=srv.url, timeout=30) as c, c.stream("POST", path, json=body) as r:
@@ -367,7 +372,9 @@ def test_worker_death_mid_stream_then_503(tiny_model):
                 events = [json.loads(x[6:]) for x in lines if x.startswith("data: ")]
             assert "error" in events[-1] and "worker" in events[-1]["error"]["message"]
             assert events[-1]["error"]["code"] == "worker_unavailable"
-            body = {"model": "b", "prompt": "Hi", "raw": True, "options": {"num_predict": 6000}}
+            # Greedy "Hello" runs 4,184 tokens on this model; sampled, a reply may end within a few.
+            body = {"model": "b", "prompt": "Hello", "raw": True,
+                    "options": {"num_predict": 6000, "temperature": 0}}
             with c.stream("POST", "/api/generate", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
