@@ -312,7 +312,8 @@ def test_worker_death_mid_stream_in_messages_and_responses(tiny_model):
         by_model = {w.model: w.pid for w in s.rt.workers}
         with httpx.Client(base_url=url, timeout=30) as c:
             hi = [{"role": "user", "content": "Hi"}]
-            body = {"model": "a", "max_tokens": 500, "stream": True, "messages": hi}
+            # Greedy: a sampled reply may end within a few tokens, before the kill.
+            body = {"model": "a", "max_tokens": 500, "temperature": 0, "stream": True, "messages": hi}
             with c.stream("POST", "/v1/messages", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
@@ -321,7 +322,7 @@ def test_worker_death_mid_stream_in_messages_and_responses(tiny_model):
             assert rest[-2] == "event: error"
             error = json.loads(rest[-1][len("data: "):])
             assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
-            body = {"model": "b", "max_output_tokens": 500, "stream": True, "input": "Hi"}
+            body = {"model": "b", "max_output_tokens": 500, "temperature": 0, "stream": True, "input": "Hi"}
             with c.stream("POST", "/v1/responses", json=body) as r:
                 lines = r.iter_lines()
                 next(lines)
