@@ -525,6 +525,71 @@ def test_on_the_grid_a_long_prompt_hands_mlx_buffers_back_after_the_step_of_its_
     assert rec.ids[a.id] == alone(a) and rec.ids[b.id] == alone(b)
 
 
+def test_on_the_grid_a_chunk_runs_beside_the_decode_step_within_its_step(tiny_model, alone, monkeypatch):
+    """On the grid, beside a decoding stream, a long prompt's chunk that ends inside its segment and leaves
+    no budget for another call runs (on an MLX stream of its own) while the batch decodes: A's token comes
+    between the chunk's launch and its wait, and the wait comes before the step ends. The chunk that ends
+    the prompt runs before the decode, as every chunk does off the grid. Both keep their tokens alone."""
+    from mlxrt.worker import prefill
+
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    launch, wait = prefill.launch_chunk, prefill.Launched.wait
+
+    def noted_launch(model, p, size, stream):
+        rec.events.append(("launch", p.seq.req.id))
+        return launch(model, p, size, stream)
+
+    def noted_wait(self, keep):
+        rec.events.append(("wait", self.p.seq.req.id))
+        return wait(self, keep)
+
+    monkeypatch.setattr(prefill, "launch_chunk", noted_launch)
+    monkeypatch.setattr(prefill.Launched, "wait", noted_wait)
+    for grid, k in [(True, 0), (False, 1)]:
+        a = gen(2 + 2 * k, short_prompt(6 + k), max_tokens=40)
+        b = gen(3 + 2 * k, long_prompt(8 + k, 12), max_tokens=4)
+        engine.sizer.grid = grid
+        before = engine.prefill_overlapped
+        run(engine, rec, {0: [a], 2: [b]})
+        ev = rec.events
+        launches = [i for i, e in enumerate(ev) if e == ("launch", b.id)]
+        waits = [i for i, e in enumerate(ev) if e == ("wait", b.id)]
+        assert len(launches) == len(waits) == 12  # 383 tokens in chunks of 32, its last token the batch's
+        assert all(lo < hi for lo, hi in zip(launches, waits, strict=True))
+        spans = [ev[lo:hi] for lo, hi in zip(launches, waits, strict=True)]
+        assert not any(e[0] == "step" for span in spans for e in span)  # each waited for within its step
+        beside = [span for span in spans if ("token", a.id) in span]
+        assert len(beside) == engine.prefill_overlapped - before == (11 if grid else 0)
+        assert ("token", a.id) not in spans[-1]  # the prompt's last chunk: its join comes in its step
+        assert rec.ids[a.id] == alone(a) and rec.ids[b.id] == alone(b)
+
+
+def test_on_the_grid_a_chunk_that_fails_beside_the_decode_step_fails_its_prompt_alone(tiny_model, alone,
+                                                                                        monkeypatch):
+    """On the grid, a long prompt's chunk that fails while it runs beside the batch's decode step (MLX
+    raises when it is waited for) fails that prompt, with the step's error; the decoding stream goes on
+    with its tokens alone, and the engine serves the next prompt as alone."""
+    from mlxrt.worker import prefill
+
+    engine, recording, rec = grid_engine(tiny_model, 1)
+    a, b, c = (gen(2, short_prompt(8), max_tokens=40), gen(3, long_prompt(10, 12), max_tokens=4),
+               gen(4, long_prompt(11, 4), max_tokens=4))
+    wait, waits = prefill.Launched.wait, []
+
+    def failing_wait(self, keep):
+        waits.append(self.p.seq.req.id)
+        if self.p.seq.req.id == b.id and waits.count(b.id) == 3:
+            raise RuntimeError("a chunk failed on purpose")
+        return wait(self, keep)
+
+    monkeypatch.setattr(prefill.Launched, "wait", failing_wait)
+    run(engine, rec, {0: [a], 2: [b]})
+    assert engine.prefill_overlapped >= 3 and isinstance(rec.errors[b.id], BatchStepError)
+    assert b.id not in rec.ids and rec.ids[a.id] == alone(a) and not engine._prefills
+    run(engine, rec, {0: [a := gen(5, short_prompt(8), max_tokens=40)], 2: [c]})
+    assert rec.ids[a.id] == alone(a) and rec.ids[c.id] == alone(c) and list(rec.errors) == [b.id]
+
+
 def test_on_the_grid_chats_under_new_system_prompts_keep_mlx_buffers(tiny_model, monkeypatch):
     """On the grid, a burst of short chats whose system prompts are not cached yet goes in two calls each
     (the system prompt, then the rest), none in pieces: MLX's buffers stay cached for the next calls; so

@@ -300,21 +300,47 @@ def run_chunk(model, p: Prefill, size: int, stream, *, keep: bool = False) -> tu
     """Prefill up to `size` tokens of `p`'s current segment; (tokens, seconds, whether the segment
     ended there). The cache is evaluated, so the seconds are the chunk's. MLX's freed buffers are
     handed back after, as mlx-lm does after each prompt step, unless `keep` (`release`)."""
-    seg = p.segments[0]
-    chunk, p.segments[0] = seg[:size], seg[size:]
-    t0 = time.perf_counter()
-    with mx.stream(stream):
-        model(mx.array(chunk)[None], cache=p.cache)
-        mx.eval([c.state for c in p.cache])
-    seconds = time.perf_counter() - t0
-    release(keep)
-    p.tokens += chunk
-    p.seq.prefill_s += seconds
+    chunk = launch_chunk(model, p, size, stream)
+    seconds = chunk.wait(keep)
     ended = not p.segments[0]
-    p.pieces = p.pieces or not ended
     if ended:
         p.segments.pop(0)
-    return len(chunk), seconds, ended
+    return chunk.tokens, seconds, ended
+
+
+@dataclass
+class Launched:
+    """A chunk of `p` whose work MLX was given (`launch_chunk`), not yet waited for."""
+
+    p: Prefill
+    tokens: int
+    #: (rows, tokens a row, cache length after): `ChunkSizer.record`'s shape.
+    shape: tuple[int, int, int]
+    states: list
+    started: float
+
+    def wait(self, keep: bool) -> float:
+        """Wait for the chunk; its seconds since launch, counted to its prompt. `keep`: `run_chunk`'s."""
+        mx.eval(self.states)
+        seconds = time.perf_counter() - self.started
+        release(keep)
+        self.p.seq.prefill_s += seconds
+        return seconds
+
+
+def launch_chunk(model, p: Prefill, size: int, stream) -> Launched:
+    """Give MLX the work of up to `size` tokens of `p`'s current segment on `stream` (`mx.async_eval`),
+    and move them from the segment to `p.tokens`; a segment it empties stays, for the caller to pop."""
+    seg = p.segments[0]
+    chunk, p.segments[0] = seg[:size], seg[size:]
+    started = time.perf_counter()
+    with mx.stream(stream):
+        model(mx.array(chunk)[None], cache=p.cache)
+        states = [c.state for c in p.cache]
+        mx.async_eval(states)
+    p.tokens += chunk
+    p.pieces = p.pieces or bool(p.segments[0])
+    return Launched(p, len(chunk), (1, len(chunk), len(p.tokens)), states, started)
 
 
 def run_rows(model, rows: list[Prefill], stream, width: int = 0, *, keep: bool = False) -> tuple[int, float]:
@@ -486,6 +512,11 @@ class PrefillScheduler:
     _admitted: int
     #: A long prompt's last chunk ran in this step: MLX's buffers go back once the step is over (`_end_step`).
     _release: bool = False
+    #: The step's last chunk, left running beside the batch's step (`_overlaps`), waited for at its end.
+    _inflight: Launched | None = None
+    _side: Any = None  # the MLX stream of those chunks (`mx.new_stream`), made at the first
+    #: Chunks that ran beside the batch's step.
+    prefill_overlapped: int = 0
 
     if TYPE_CHECKING:
         def _failed(self, seq: Sequence, exc: BaseException) -> None: ...
@@ -548,6 +579,7 @@ class PrefillScheduler:
         """Prefill for about the budget (`options.prefill_budget_ms`): chunks of the prompts `pick`
         chooses, each sized by the measured rate, short prompts that fit the chunk together in one
         call (`batch_rows`); a prompt left with its last token joins the batch."""
+        self._settle()
         self._join_ready()
         spent = 0.0
         while self._prefills and spent * 1e3 < self.sizer.budget_ms:
@@ -566,20 +598,21 @@ class PrefillScheduler:
             widest = grid_width(max(len(p.segments[0]) for p in rows), padded)
             cached = max(len(p.tokens) for p in rows)
             try:
+                if len(rows) == 1 and self._overlaps(first, size, spent):
+                    if self._side is None:
+                        self._side = mx.new_stream(mx.default_device())
+                    self._inflight = launch_chunk(self.model, first, size, self._side)
+                    self.prefill_tokens += size
+                    self.prefill_calls += 1
+                    self.prefill_overlapped += 1
+                    break
                 if len(rows) > 1:
                     n, seconds = run_rows(self.model, rows, self._batch.stream, widest, keep=grid)
                     ended = True
                 else:
                     n, seconds, ended = run_chunk(self.model, rows[0], size, self._batch.stream, keep=grid)
             except Exception as exc:
-                reseed()
-                error = BatchStepError(f"prefill step failed: {exc!r}")
-                error.__cause__ = exc
-                for p in rows:
-                    self._prefills.remove(p)
-                    self._unlead(p.seq)
-                    self._failed(p.seq, error)
-                    self._release = self._release or (grid and self._outgrown(p))
+                self._call_failed(rows, exc)
                 continue
             if grid and any(p.ready and self._outgrown(p) for p in rows):  # back after the step, its join's
                 self._release = True
@@ -601,12 +634,53 @@ class PrefillScheduler:
                 self._admit()
             self._join_ready()  # the rows, and any admitted, down to their last token
 
+    def _overlaps(self, p: Prefill, size: int, spent: float) -> bool:
+        """Whether `p`'s chunk of `size` tokens, `spent` seconds into the step, runs beside the batch's
+        step rather than before it: on the grid (CUDA), with a sequence decoding, the chunk ending inside
+        its segment (no boundary, no join waits on it), and the budget left after it holding no other
+        call (`ChunkSizer.size`). The chunk goes on an MLX stream of its own, the batch's step on its
+        own, and the GPU runs both at once: on an H100 (8B shape, 512-1,024-token chunks 4,096-20,480
+        tokens deep) a one-row decode step and a chunk took 6 ms less so than one after the other, of
+        the step's 10 (docs/benchmarks/gpu-h100-s20.md). On a CPU a step's work is one core's either
+        way; Metal was not tried."""
+        s = self.sizer
+        if not (s.grid and self._running and size < len(p.segments[0])):
+            return False
+        return s.budget_ms - spent * 1e3 - s.cost_ms(size, len(p.tokens)) < s.budget_ms * SECOND_CALL_LEFT
+
+    def _settle(self) -> None:
+        """Wait for the chunk left running beside the batch's step, and count it as the step's loop
+        counts a call; a chunk that failed fails its prompt (unless that ended meanwhile)."""
+        chunk, self._inflight = self._inflight, None
+        if chunk is None:
+            return
+        try:
+            seconds = chunk.wait(keep=True)
+        except Exception as exc:
+            self._call_failed([p for p in self._prefills if p is chunk.p], exc)
+            return
+        self.sizer.record(chunk.tokens, seconds, chunk.shape)
+        passed_over(self._prefills, [chunk.p], seconds)
+
+    def _call_failed(self, rows: list[Prefill], exc: Exception) -> None:
+        """A prefill call of `rows` raised: each of them fails, the batch goes on (after a failed call on
+        the grid, MLX's buffers go back after the step)."""
+        reseed()
+        error = BatchStepError(f"prefill step failed: {exc!r}")
+        error.__cause__ = exc
+        for p in rows:
+            self._prefills.remove(p)
+            self._unlead(p.seq)
+            self._failed(p.seq, error)
+            self._release = self._release or (self.sizer.grid and self._outgrown(p))
+
     def _outgrown(self, p: Prefill) -> bool:
         return outgrown(p, self.sizer.ceiling)
 
     def _end_step(self) -> None:
-        """After a step: where a long prompt's last chunk ran in it, MLX's buffers go back, its join and
-        first token having reused them."""
+        """After a step: the chunk left running beside it is waited for; where a long prompt's last chunk
+        ran in it, MLX's buffers go back, its join and first token having reused them."""
+        self._settle()
         if self._release:
             self._release = False
             mx.clear_cache()

@@ -6,4 +6,4 @@ L=${L:-/tmp/lease1}; end=$((SECONDS + ${1:-560})); mark=${2:-done}
 [ -f $L/progress.txt ] || { echo "no $L/progress.txt: a fresh host (the job is gone)"; exit 3; }
 while [ $SECONDS -lt $end ]; do grep -q "=== .* $mark\$" $L/progress.txt 2>/dev/null && break; sleep 5; done
 cat $L/progress.txt; mkdir -p $OUT
-if [ -f $L/all.tgz ]; then cp $L/all.tgz $OUT/; [ -f $L/traces.tgz ] && cp $L/traces.tgz $OUT/; else tar czf $OUT/partial.tgz -C $L . 2>/dev/null; fi; true
+if [ -f $L/all.tgz ]; then cp $L/all.tgz $OUT/; elif [ -f $L/ab.tgz ] && [ "$mark" = ab-done ]; then cp $L/ab.tgz $OUT/; else tar czf $OUT/partial.tgz -C $L . 2>/dev/null; fi; true
