@@ -11,5 +11,7 @@ echo $MLXRT_COMMIT > $L/commit; step env; echo "tree $MLXRT_COMMIT"
 step mix; timeout 500 python3 -m benchmarks.interleave --model synthetic:llama3.1-8b-4bit --b-tokens 25000 --rounds 3 \
   --peers none --out $L/mix.json > $L/mix.log 2>&1; echo "rc $?"
 grep -E "^round|^\||skipped" $L/mix.log | cut -c1-260
-step pack; tar czf $L/all.tgz -C $L commit mix.* progress.txt
+# As run, the line below read `commit mix.* progress.txt`: the glob was expanded here, not in $L, so the
+# tarball lost mix.json and mix.log; the rounds are in progress.txt (h200-s20-l4-mix.txt).
+step pack; tar czf $L/all.tgz -C $L $(cd $L && ls -d commit mix.* progress.txt)
 step done
