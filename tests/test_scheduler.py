@@ -564,27 +564,75 @@ def test_on_the_grid_a_chunk_runs_beside_the_decode_step_within_its_step(tiny_mo
         assert rec.ids[a.id] == alone(a) and rec.ids[b.id] == alone(b)
 
 
+def test_on_the_grid_only_a_step_s_last_chunk_inside_its_segment_goes_beside_the_decode(tiny_model):
+    """On the grid, with sequences decoding, a chunk goes beside the decode step where it ends inside its
+    segment and the budget left after it, at its expected cost (a build counted for a shape not met),
+    holds no other call; not where it ends its segment, nor with nothing decoding, nor off the grid."""
+    from mlxrt.worker.prefill import Prefill
+
+    engine, _, rec = grid_engine(tiny_model, 200)
+    p = Prefill(None, [], [list(range(2048)), [1]], [])  # a prompt's first segment, 2,048 tokens
+    engine.sizer.rate = 10.0  # tokens a ms: 512 tokens and a build cost 101 ms
+    assert not engine._overlaps(p, 512, 0.0)  # nothing decoding
+    for k in range(2):
+        engine.submit(gen(20 + k, short_prompt(20 + k), max_tokens=50), rec)
+    while not engine._running:
+        engine.step()
+    engine.sizer.rate = 10.0
+    assert engine._overlaps(p, 512, 0.0)  # 99 ms of 200 left after it: under half, no other call
+    assert not engine._overlaps(p, 256, 0.0)  # 124 ms left: another call may follow
+    assert engine._overlaps(p, 256, 0.03)  # 30 ms into the step: 94 ms left
+    assert not engine._overlaps(p, 2048, 0.0)  # it ends its segment
+    engine.sizer.grid = False
+    assert not engine._overlaps(p, 512, 0.0)
+
+
+def test_on_the_grid_a_chunk_beside_the_decode_times_the_rate_only_if_the_step_waited_for_it(tiny_model,
+                                                                                             monkeypatch):
+    """A chunk that ran beside the decode step is timed into the rate only where it was still running when
+    the step came to wait for it: one that had ended meanwhile ended at a time not known."""
+    from mlxrt.worker import prefill
+
+    wait = prefill.Launched.wait
+    for waited, timed in [(0.0, 1), (1.0, 12)]:  # of B's 12 chunks, 11 beside the decode
+        engine, _, rec = grid_engine(tiny_model, 1)
+        recorded: list[int] = []
+
+        def waited_so(self, keep, waited=waited):
+            seconds = wait(self, keep)
+            self.waited = waited
+            return seconds
+
+        monkeypatch.setattr(prefill.Launched, "wait", waited_so)
+        monkeypatch.setattr(engine.sizer, "record", lambda n, seconds, shape=None, to=recorded: to.append(n))
+        run(engine, rec, {0: [gen(2, short_prompt(9), max_tokens=40)], 2: [gen(3, long_prompt(12, 12), 4)]})
+        assert engine.prefill_overlapped == 11 and len(recorded) == 1 + timed  # A's prompt: the fast path's
+
+
 def test_on_the_grid_a_chunk_that_fails_beside_the_decode_step_fails_its_prompt_alone(tiny_model, alone,
                                                                                         monkeypatch):
     """On the grid, a long prompt's chunk that fails while it runs beside the batch's decode step (MLX
-    raises when it is waited for) fails that prompt, with the step's error; the decoding stream goes on
-    with its tokens alone, and the engine serves the next prompt as alone."""
+    raises when it is waited for) fails that prompt, with the step's error, and is not counted as a call;
+    the decoding stream goes on with its tokens alone, and the engine serves the next prompt as alone."""
     from mlxrt.worker import prefill
 
     engine, recording, rec = grid_engine(tiny_model, 1)
     a, b, c = (gen(2, short_prompt(8), max_tokens=40), gen(3, long_prompt(10, 12), max_tokens=4),
                gen(4, long_prompt(11, 4), max_tokens=4))
-    wait, waits = prefill.Launched.wait, []
+    wait, waits, done = prefill.Launched.wait, [], []
 
     def failing_wait(self, keep):
         waits.append(self.p.seq.req.id)
         if self.p.seq.req.id == b.id and waits.count(b.id) == 3:
             raise RuntimeError("a chunk failed on purpose")
+        done.append(self.p.seq.req.id)
         return wait(self, keep)
 
     monkeypatch.setattr(prefill.Launched, "wait", failing_wait)
+    calls = engine.prefill_calls
     run(engine, rec, {0: [a], 2: [b]})
-    assert engine.prefill_overlapped >= 3 and isinstance(rec.errors[b.id], BatchStepError)
+    assert engine.prefill_overlapped == 2 and isinstance(rec.errors[b.id], BatchStepError)
+    assert engine.prefill_calls - calls == len(done) == 2  # B's first two chunks (A's went the fast path)
     assert b.id not in rec.ids and rec.ids[a.id] == alone(a) and not engine._prefills
     run(engine, rec, {0: [a := gen(5, short_prompt(8), max_tokens=40)], 2: [c]})
     assert rec.ids[a.id] == alone(a) and rec.ids[c.id] == alone(c) and list(rec.errors) == [b.id]

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import structlog
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
@@ -53,6 +54,8 @@ from .sequence import BatchStepError, Sequence, reseed
 
 if TYPE_CHECKING:
     from .solo import Solo
+
+log = structlog.get_logger("mlxrt.worker")
 
 #: The smallest chunk the budget may ask for: below it, per-call overheads outweigh the work.
 MIN_CHUNK_TOKENS = 32
@@ -79,6 +82,9 @@ GRID_MIN_RUNG = 256
 #: costs (its launches, attention over a deep cache) are not in the rate, and a small call is mostly them
 #: (an H200 trace: the 423 tokens after 24,576 of an 8B prompt took 85 ms, costed 47).
 SECOND_CALL_LEFT = 0.5
+#: A chunk beside the decode step whose wait took at least this long was still running when the step
+#: came to it (an evaluated array's wait takes microseconds).
+STILL_RUNNING_S = 1e-3
 #: Chunk shapes the grid remembers as met, the most recent first out of mind: as many as MLX keeps
 #: attention graphs on CUDA (its `MLX_CUDA_SDPA_CACHE_SIZE`, 256 by default; the two share no state).
 MAX_SHAPES = int(_size) if (_size := os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "")).isdigit() else 256
@@ -238,7 +244,7 @@ class ChunkSizer:
             want = self.floor if self.rate is None else int(self.rate * (self.budget_ms - spent_ms))
             return max(self.floor, min(self.ceiling, want - want % CHUNK_MULTIPLE))
         left = self.budget_ms - spent_ms
-        if left < self.budget_ms * SECOND_CALL_LEFT:
+        if not self.holds_another(spent_ms):
             return 0
         if rest is not None and rest <= self.ceiling and self.cost_ms(rest, cached) <= left:
             return rest
@@ -249,6 +255,11 @@ class ChunkSizer:
         if spent_ms > 0 and self.cost_ms(n if rest is None else min(n, rest), cached) > left:
             return 0  # the rest of this step's budget holds no chunk on the grid
         return n
+
+    def holds_another(self, spent_ms: float) -> bool:
+        """On the grid, whether a step `spent_ms` into its budget starts another call: while
+        `SECOND_CALL_LEFT` of the budget is left."""
+        return self.budget_ms - spent_ms >= self.budget_ms * SECOND_CALL_LEFT
 
     def room(self, spent_ms: float = 0.0) -> int:
         """Padded tokens one call of several short prompts may carry in what is left of the budget: on
@@ -320,11 +331,15 @@ class Launched:
     shape: tuple[int, int, int]
     states: list
     started: float
+    waited: float = 0.0
 
     def wait(self, keep: bool) -> float:
-        """Wait for the chunk; its seconds since launch, counted to its prompt. `keep`: `run_chunk`'s."""
+        """Wait for the chunk; its seconds since launch, counted to its prompt (`waited`: how long the
+        wait itself took). `keep`: `run_chunk`'s."""
+        t0 = time.perf_counter()
         mx.eval(self.states)
-        seconds = time.perf_counter() - self.started
+        self.waited = time.perf_counter() - t0
+        seconds = self.waited + t0 - self.started
         release(keep)
         self.p.seq.prefill_s += seconds
         return seconds
@@ -516,7 +531,8 @@ class PrefillScheduler:
     _release: bool = False
     #: The step's last chunk, left running beside the batch's step (`_overlaps`), waited for at its end.
     _inflight: Launched | None = None
-    _side: Any = None  # the MLX stream of those chunks (`mx.new_stream`), made at the first
+    #: The MLX stream those chunks run on (`mx.new_stream`), made for the first.
+    _side: Any = None
     #: Chunks that ran beside the batch's step.
     prefill_overlapped: int = 0
 
@@ -604,9 +620,6 @@ class PrefillScheduler:
                     if self._side is None:
                         self._side = mx.new_stream(mx.default_device())
                     self._inflight = launch_chunk(self.model, first, size, self._side)
-                    self.prefill_tokens += size
-                    self.prefill_calls += 1
-                    self.prefill_overlapped += 1
                     break
                 if len(rows) > 1:
                     n, seconds = run_rows(self.model, rows, self._batch.stream, widest, keep=grid)
@@ -639,30 +652,43 @@ class PrefillScheduler:
     def _overlaps(self, p: Prefill, size: int, spent: float) -> bool:
         """Whether `p`'s chunk of `size` tokens, `spent` seconds into the step, runs beside the batch's
         step rather than before it: on the grid (CUDA), with a sequence decoding, the chunk ending inside
-        its segment (no boundary, no join waits on it), and the budget left after it holding no other
-        call (`ChunkSizer.size`). The chunk goes on an MLX stream of its own, the batch's step on its
-        own, and the GPU runs both at once: on an H100 (8B shape, 512-1,024-token chunks 4,096-20,480
-        tokens deep) a chunk and a one-row decode step (10 ms alone) took 6 ms less together than one
-        after the other; in issue 28's mix on an H200 a 25,000-token prompt beside a stream read 1.08x
-        its time alone, 1.12x without (docs/benchmarks/gpu-h200-s20.md). On a CPU a step's work is its
-        cores' either way; Metal was not tried."""
+        its segment (no boundary, no join waits on it), and the budget left after it, at its expected
+        cost, holding no other call (`ChunkSizer.holds_another`). The chunk goes on an MLX stream of its
+        own, the batch's step on its own, and the GPU runs both at once: in issue 28's mix on an H200 a
+        25,000-token prompt beside a stream took 1.08x its time alone, 1.12x one after the other
+        (docs/benchmarks/gpu-h200-s20.md). On a CPU a step's work is its cores' either way; Metal was
+        not tried."""
         s = self.sizer
         if not (s.grid and self._running and size < len(p.segments[0])):
             return False
-        return s.budget_ms - spent * 1e3 - s.cost_ms(size, len(p.tokens)) < s.budget_ms * SECOND_CALL_LEFT
+        return not s.holds_another(spent * 1e3 + s.cost_ms(size, len(p.tokens)))
 
     def _settle(self) -> None:
         """Wait for the chunk left running beside the batch's step, and count it as the step's loop
-        counts a call; a chunk that failed fails its prompt (unless that ended meanwhile)."""
+        counts a call; a chunk that failed fails its prompt (one that ended meanwhile, a choice of a
+        request failed in the batch's step, is only logged).
+
+        Its time from launch is its prompt's and the others' wait, as a call's; the rate takes it only
+        where the chunk was still running when the step came to wait (`STILL_RUNNING_S`): its time is
+        then its own, with the decode step's share of the GPU, what the next chunk beside one will take.
+        One that ended during the batch's step ended at a time not known."""
         chunk, self._inflight = self._inflight, None
         if chunk is None:
             return
         try:
             seconds = chunk.wait(keep=True)
         except Exception as exc:
-            self._call_failed([p for p in self._prefills if p is chunk.p], exc)
+            rows = [p for p in self._prefills if p is chunk.p]
+            if rows:
+                self._call_failed(rows, exc)
+            else:
+                log.warning("prefill.chunk_failed_after_its_end", req=chunk.p.seq.req.id, error=repr(exc))
             return
-        self.sizer.record(chunk.tokens, seconds, chunk.shape)
+        self.prefill_tokens += chunk.tokens
+        self.prefill_calls += 1
+        self.prefill_overlapped += 1
+        if chunk.waited >= STILL_RUNNING_S:
+            self.sizer.record(chunk.tokens, seconds, chunk.shape)
         passed_over(self._prefills, [chunk.p], seconds)
 
     def _call_failed(self, rows: list[Prefill], exc: Exception) -> None:
