@@ -1,4 +1,4 @@
-"""Session 20 probe: does a decode step overlap a long prompt's chunk when the two run on separate MLX streams?
+"""Session 20: does a decode step overlap a long prompt's chunk when the two run on separate MLX streams?
 
 A stream A decodes one token a step (a short cache); a long prompt B prefills `--chunk` tokens a step over a
 cache `--depth` deep (trimmed back after each step, so every step has the same shape). Each way is timed
@@ -17,7 +17,6 @@ import time
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
-
 from mlxrt.synthetic.build import ensure_model
 
 
@@ -61,24 +60,39 @@ def main() -> None:
             c.trim(n)
 
     def way_chunk():
-        t0 = time.perf_counter(); mx.eval(chunk(main_s)); t = time.perf_counter() - t0
-        trim(cb, args.chunk); return t, None
+        t0 = time.perf_counter()
+        mx.eval(chunk(main_s))
+        t = time.perf_counter() - t0
+        trim(cb, args.chunk)
+        return t, None
 
     def way_decode():
-        t0 = time.perf_counter(); mx.eval(decode()); t = time.perf_counter() - t0
-        trim(ca, 1); return t, t
+        t0 = time.perf_counter()
+        mx.eval(decode())
+        t = time.perf_counter() - t0
+        trim(ca, 1)
+        return t, t
 
     def way_serial():
-        t0 = time.perf_counter(); mx.eval(chunk(main_s)); mx.eval(decode()); t = time.perf_counter() - t0
-        trim(cb, args.chunk); trim(ca, 1); return t, t
+        t0 = time.perf_counter()
+        mx.eval(chunk(main_s))
+        mx.eval(decode())
+        t = time.perf_counter() - t0
+        trim(cb, args.chunk)
+        trim(ca, 1)
+        return t, t
 
     def way_overlap():
         t0 = time.perf_counter()
         states = chunk(side_s)
         mx.async_eval(states)
-        mx.eval(decode()); ta = time.perf_counter() - t0
-        mx.eval(states); t = time.perf_counter() - t0
-        trim(cb, args.chunk); trim(ca, 1); return t, ta
+        mx.eval(decode())
+        ta = time.perf_counter() - t0
+        mx.eval(states)
+        t = time.perf_counter() - t0
+        trim(cb, args.chunk)
+        trim(ca, 1)
+        return t, ta
 
     ways = {"chunk": way_chunk, "decode": way_decode, "serial": way_serial, "overlap": way_overlap}
     times = {k: [] for k in ways}
