@@ -634,10 +634,7 @@ class PrefillScheduler:
             width = n if len(rows) == 1 else widest
             # A batched call's work is its rows times its width, padding included, as `room` counts it.
             self.sizer.record(len(rows) * width, seconds, (len(rows), width, cached + width))
-            self.prefill_tokens += n
-            self.prefill_calls += 1
-            self.prefill_batched += len(rows) if len(rows) > 1 else 0
-            passed_over(self._prefills, rows, seconds)
+            self._count_call(rows, n, seconds)
             spent += seconds
             leaders, waiting = len(self._leaders), len(self._waiting)
             for p in rows:
@@ -684,12 +681,18 @@ class PrefillScheduler:
             else:
                 log.warning("prefill.chunk_failed_after_its_end", req=chunk.p.seq.req.id, error=repr(exc))
             return
-        self.prefill_tokens += chunk.tokens
-        self.prefill_calls += 1
         self.prefill_overlapped += 1
         if chunk.waited >= STILL_RUNNING_S:
             self.sizer.record(chunk.tokens, seconds, chunk.shape)
-        passed_over(self._prefills, [chunk.p], seconds)
+        self._count_call([chunk.p], chunk.tokens, seconds)
+
+    def _count_call(self, rows: list[Prefill], tokens: int, seconds: float) -> None:
+        """A prefill call of `rows` ran, `tokens` prompt tokens in `seconds`: the scheduler's counters,
+        and every other prompt waited that long (`passed_over`)."""
+        self.prefill_tokens += tokens
+        self.prefill_calls += 1
+        self.prefill_batched += len(rows) if len(rows) > 1 else 0
+        passed_over(self._prefills, rows, seconds)
 
     def _call_failed(self, rows: list[Prefill], exc: Exception) -> None:
         """A prefill call of `rows` raised: each of them fails, the batch goes on (after a failed call on
