@@ -8,7 +8,8 @@ round (targets interleaved within a round): A's longest gap between two tokens, 
 the mix and alone. Targets: mlxrt's engine in-process (the prefill scheduler at its default budget; on
 CUDA its chunks on the grid of `prefill.ChunkSizer`), the same engine with ``prefill_budget_ms=0``
 (mlx-lm's prefill), mlx-lm's `BatchGenerator`, ``mlxrt serve`` and the peers of ``--peers``:
-``mlx_lm.server`` and vllm-mlx (``--no-http`` leaves the servers out). Greedy, EOS off.
+``mlx_lm.server`` and vllm-mlx (``--no-http`` leaves the servers out, ``--no-in-process`` the others).
+Greedy, EOS off.
 ``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
 On a GPU with servers, this process keeps at most `SHARED_GPU_CACHE_BYTES` in MLX's cache and clears it
 after each in-process part, so that four MLX processes fit on one GPU.
@@ -194,11 +195,12 @@ class HttpTarget:
 
 
 def make_targets(model: str, model_path: str, http: bool, peers: list[str], skipped: dict[str, str],
-                 targets: list[Any]) -> None:
+                 targets: list[Any], *, in_process: bool = True) -> None:
     """Append the targets to `targets` as each is ready (the caller closes those there, whatever happens);
     a peer that cannot run here is left out, and why is put in `skipped`."""
-    targets += [EngineTarget("mlxrt engine", model, None),  # auto: the scheduler, on every backend
-                EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
+    if in_process:
+        targets += [EngineTarget("mlxrt engine", model, None),  # auto: the scheduler, on every backend
+                    EngineTarget("mlxrt engine, budget 0", model, 0), BatchGeneratorTarget(model_path)]
     if http:
         from .http_scenario import HttpStream
         from .peers import http_scenarios
@@ -229,9 +231,9 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     targets: list[Any] = []
     try:
-        make_targets(args.model, path, args.http, args.peers, skipped, targets)
+        make_targets(args.model, path, args.http, args.peers, skipped, targets, in_process=args.in_process)
         rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
-        shared = args.http and _on_gpu()
+        shared = args.http and args.in_process and _on_gpu()
         if shared:
             import mlx.core as mx
 
@@ -306,9 +308,14 @@ def main(argv: list[str] | None = None) -> int:
                         "mlx_lm.server,vllm-mlx; vllm-mlx runs from its own site directory, see "
                         "benchmarks.http_scenario.vllm_mlx_site, and is skipped with the reason where it "
                         "has none)")
+    p.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="the servers only: on one GPU, four MLX processes of an 8B model and a 25k-token B "
+                        "ran out of its memory (docs/benchmarks/gpu-h200-s21.md)")
     p.add_argument("--alone", action="store_true", help="only B, alone: what the chunk size costs")
     p.add_argument("--out", default="interleave.json")
     args = p.parse_args(argv)
+    if not (args.http or args.in_process):
+        p.error("--no-http with --no-in-process leaves nothing to run")
     doc = run_rounds(args)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

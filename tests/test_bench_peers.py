@@ -96,16 +96,16 @@ def test_the_long_prompt_mix_runs_every_target_and_peer_in_each_round(vllm_mlx_s
 
 
 def test_the_long_prompt_mix_leaves_out_a_peer_that_cannot_run_and_says_why(tmp_path):
-    """A peer with no site is skipped with the reason in the document and the log; the rest still run."""
+    """A peer with no site is skipped with the reason in the document and the log; the rest still run
+    (here the servers only: `--no-in-process`)."""
     env = {**os.environ, http_scenario.VLLM_MLX_SITE_ENV: str(tmp_path)}
     out = tmp_path / "alone.json"
     cmd = [sys.executable, "-m", "benchmarks.interleave", "--model", "synthetic:tiny", "--rounds", "1",
-           "--b-tokens", "60", "--alone", "--peers", "vllm-mlx", "--out", str(out)]
+           "--b-tokens", "60", "--alone", "--peers", "vllm-mlx", "--no-in-process", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert list(doc["medians"]) == ["mlxrt engine", "mlxrt engine, budget 0", "mlx-lm BatchGenerator",
-                                    "mlxrt-http"]
+    assert list(doc["medians"]) == ["mlxrt-http"] and doc["config"]["in_process"] is False
     assert http_scenario.VLLM_MLX_SITE_ENV in doc["skipped"]["vllm-mlx"]
     assert f"vllm-mlx: skipped: vllm-mlx is not installed in {tmp_path}" in proc.stderr
 
@@ -118,3 +118,6 @@ def test_the_long_prompt_mix_refuses_an_unknown_peer_naming_the_known_ones(capsy
     err = capsys.readouterr().err
     assert "--peers: unknown peer vllm; choose from mlx_lm.server, vllm-mlx (or none)" in err
     assert interleave._peers("none") == [] and interleave._peers(" vllm-mlx ,") == ["vllm-mlx"]
+    with pytest.raises(SystemExit) as exc:
+        interleave.main(["--no-http", "--no-in-process"])
+    assert exc.value.code == 2 and "leaves nothing to run" in capsys.readouterr().err
