@@ -17,7 +17,7 @@ from mlxrt import AsyncRuntime, Runtime
 from mlxrt.ipc.protocol import Embed, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.embed import Embedder, EmbeddingSpec, embedding_spec
 from mlxrt.worker.embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU
-from mlxrt.worker.engine import ModelKindError
+from mlxrt.worker.engine import BatchStepError, ModelKindError
 from support import assert_stopped, running
 
 TEXTS = ["The river ran past the old mill.", "Boats", "The morning train left the station at dawn",
@@ -169,6 +169,32 @@ def test_a_cancelled_or_refused_request_leaves_the_others_alone(emb_model, tiny_
         embedder.step()
     assert box.stats[2].finish_reason == "cancelled" and 2 not in box.results
     assert box.results[3].shape == (1, DIM)
+
+
+def test_a_pass_that_runs_out_of_memory_fails_alone_and_hands_the_buffers_back(emb_model):
+    """A forward pass whose allocation fails fails the requests it carried, with one warning
+    (`engine.out_of_memory`); the next request gets the vector it got before."""
+    from mlxrt.worker.embed import _Collect
+    from structlog.testing import capture_logs
+
+    embedder = Embedder(emb_model, embedding_spec(emb_model))
+    ids = random_ids([9])
+    before = embed_in_process(embedder, [ids])[0]
+    real = embedder.forward
+
+    def boom(*args):
+        embedder.forward = real
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    embedder.forward, box = boom, _Collect()
+    with capture_logs() as logs:
+        embedder.submit(Embed(id=7, inputs=ids), box)
+        while embedder.busy:
+            embedder.step()
+    assert isinstance(box.error, BatchStepError) and "out of memory" in str(box.error)
+    assert 7 not in box.results
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine.out_of_memory"]
+    np.testing.assert_array_equal(embed_in_process(embedder, [ids])[0], before)
 
 
 # ---- Runtime.embed over real workers -------------------------------------------------

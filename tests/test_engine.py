@@ -630,3 +630,50 @@ def test_prefix_cache_cap_follows_the_machine_unless_given(monkeypatch):
     assert limits.auto_prompt_cache_bytes() == 3 << 30  # Metal's working set, not the whole memory
     with pytest.raises(ValueError, match="prompt_cache_bytes"):
         EngineOptions(prompt_cache_bytes=-1).validate()
+
+
+@pytest.mark.parametrize("message", [
+    "cudaMallocAsync(&data, size, stream) failed: out of memory",  # CUDA (seen on an H200)
+    "[METAL] Command buffer execution failed: Insufficient Memory "
+    "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+    "[metal::malloc] Attempting to allocate 137438953472 bytes which is greater than the maximum allowed "
+    "buffer size of 77309411328 bytes.",
+    "std::bad_alloc",
+])
+def test_an_allocation_that_fails_hands_the_caches_back(message):
+    """A batch step whose allocation fails fails the requests it carried, empties the prefix cache with one
+    warning that says how much went back, and the worker goes on: the same requests again get the ids they
+    got before. A step that fails otherwise keeps the prefix cache."""
+    from mlxrt.synthetic.build import ensure_model
+    from mlxrt.worker.engine import BatchStepError
+    from structlog.testing import capture_logs
+
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
+    reqs = [gen(1, "The quick brown fox"), gen(2, "Hello there, friend")]
+    before = run_batch(engine, reqs)
+    assert before.errors == {} and len(engine.prefix_cache) > 0
+
+    def fail_next_step(text: str) -> None:
+        batch, real = engine._batch, engine._batch.next
+
+        def boom():
+            batch.next = real
+            raise RuntimeError(text)
+
+        batch.next = boom
+
+    for text, relieved in (("sampler broke", False), (message, True)):
+        kept = engine.prefix_cache.nbytes
+        fail_next_step(text)
+        with capture_logs() as logs:
+            failed = run_batch(engine, [gen(3, "One more"), gen(4, "And another")])
+        assert set(failed.errors) == {3, 4}
+        assert all(isinstance(e, BatchStepError) for e in failed.errors.values())
+        warned = [e for e in logs if e["event"] == "engine.out_of_memory"]
+        if relieved:
+            assert len(engine.prefix_cache) == 0 and len(warned) == 1, warned
+            assert warned[0]["released_bytes"] >= kept > 0 and "--prompt-cache-bytes" in warned[0]["hint"]
+        else:
+            assert engine.prefix_cache.nbytes >= kept and warned == []
+    again = run_batch(engine, reqs)
+    assert again.errors == {} and again.ids == before.ids

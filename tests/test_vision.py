@@ -229,6 +229,42 @@ def test_a_resumed_reply_goes_on_where_it_stopped(vl_model, seed):
     assert whole.text[1].endswith(rest.text[2]) and rest.text[2]
 
 
+def test_an_image_request_that_runs_out_of_memory_fails_alone_and_empties_the_image_cache(vl_model):
+    """A decode step whose allocation fails fails its request with one warning (`engine.out_of_memory`) and
+    empties the image cache; the request again gets the tokens it got before."""
+    from mlxrt.ipc.protocol import ChatMessage, Generate, SamplingParams
+    from mlxrt.worker.vision import VisionEngine
+    from structlog.testing import capture_logs
+    from support import Recorder
+
+    engine = VisionEngine(vl_model)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    messages = [ChatMessage("user", QUESTION, images=[png(60, 60)])]
+
+    def run(i: int) -> Recorder:
+        rec = Recorder()
+        engine.submit(Generate(id=i, params=params, messages=messages), rec)
+        while engine.busy:
+            engine.step()
+        return rec
+
+    before = run(1)
+    assert engine.cache.nbytes > 0
+    real = engine._decode
+
+    def boom(r):
+        engine._decode = real
+        raise RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory "
+                           "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)")
+
+    engine._decode = boom
+    with capture_logs() as logs:
+        failed = run(2)
+    assert "Insufficient Memory" in str(failed.errors[2]) and engine.cache.nbytes == 0
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine.out_of_memory"]
+    assert run(3).ids[3] == before.ids[1]
+
+
 def test_an_image_stream_goes_on_after_its_worker_is_killed(vl_model):
     """SIGKILL mid-stream on a vision model: the image request is sent again to the restarted worker with
     the tokens its caller had, and the stream goes on with exactly the uninterrupted run's tokens."""

@@ -49,6 +49,7 @@ import numpy as np
 from ..ipc.protocol import Capabilities, Embed, EngineOptions, EngineReport, MemoryReport, Stats
 from .embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU, Batcher, Item
 from .engine import BatchStepError, ModelKindError, resolve_model_path
+from .limits import out_of_memory, relieve
 from .prompt import DEFAULT_CONTEXT_LENGTH, PromptTooLongError
 
 #: sentence-transformers' pooling modes that are served, and their names in `Capabilities.embedding`.
@@ -365,6 +366,8 @@ class Embedder:
             if self._requests.pop(r.req.id, None) is not None:
                 self._waiting.drop(r)
                 r.listener.failed(r.req.id, error)
+        if out_of_memory(exc):
+            relieve(exc, self.clear_cache, 0)
 
     def _stats(self, r: _Request, reason: str) -> Stats:
         now = time.perf_counter()

@@ -66,7 +66,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from ..ipc.protocol import (
@@ -80,20 +80,21 @@ from ..ipc.protocol import (
     Grammar,
     MemoryReport,
     SamplingParams,
-    Stats,
 )
 from .choices import ChoiceGroup
 from .disk_cache import DiskTier, flush_timeout, model_identity
 from .draft_policy import DraftPolicy
 from .forced import tool_call_grammar
 from .grammar import GrammarCache, StepMasks
-from .kvcache import KVQuant, check_quantizable, full_precision, make_cache
+from .kvcache import KVQuant, always_trimmable, check_quantizable, full_precision, make_cache
 from .limits import (
     auto_decode_concurrency,
     auto_prompt_cache_bytes,
     on_cuda,
+    out_of_memory,
     prefill_steps,
     prefill_token_cap,
+    relieve,
 )
 from .logprobs import TokenBytes, token_logprobs
 from .prefill import ChunkSizer, Prefill, PrefillScheduler, prompt_segments
@@ -104,6 +105,7 @@ from .reply import make_splitter, split_emit
 from .sequence import (
     BatchStepError,
     Listener,
+    Quiet,
     Sequence,
     TextStream,
     check_sampler,
@@ -175,7 +177,7 @@ class Engine(PromptBuilder, PrefillScheduler):
         self.model_context = int(text.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH)
         self.context_length = self._default_context(o.context_length)
         self.vocab_size = int(text.get("vocab_size") or 0)
-        self.trimmable = _always_trimmable(make_cache(self.model, o.max_kv_size))
+        self.trimmable = always_trimmable(make_cache(self.model, o.max_kv_size))
         self.capabilities = capabilities(self.tokenizer)
         if o.chat_template is not None:
             self._check_template()
@@ -406,7 +408,7 @@ class Engine(PromptBuilder, PrefillScheduler):
             raise ValueError(f"invalid draft_model={ref!r}: it scores {vocab} token ids, more than the "
                              f"target's {self.vocab_size}")
         for name, net in (("the target", self.model), ("the draft", draft)):
-            if not _always_trimmable(make_prompt_cache(net)):
+            if not always_trimmable(make_prompt_cache(net)):
                 kinds = sorted({type(c).__name__ for c in make_prompt_cache(net)})
                 raise ValueError(f"invalid draft_model={ref!r}: speculative decoding rewinds the cache, "
                                  f"which {name}'s {kinds} cannot")
@@ -526,7 +528,7 @@ class Engine(PromptBuilder, PrefillScheduler):
 
     def _run_to_end(self, reqs: list[Generate]) -> None:
         """Run `reqs` together until every one has ended; raise the first failure."""
-        box = _Quiet()
+        box = Quiet()
         for req in reqs:
             self.submit(req, box)
         while self.busy:
@@ -626,11 +628,16 @@ class Engine(PromptBuilder, PrefillScheduler):
         self._waiting.extendleft(reversed(following))
 
     def _failed(self, seq: Sequence, exc: BaseException) -> None:
-        """`seq` failed: its request fails (once), and the request's other choices are cancelled."""
+        """`seq` failed: its request fails (once), and the request's other choices are cancelled. Where an
+        allocation failed, the engine's caches go back (`limits.relieve`)."""
         seq.forks = []
         seq.listener.failed(seq.req.id, exc)
         if seq.req.params.n > 1:
             self.cancel(seq.req.id)  # their ends are dropped: the request already failed
+        cause = exc.__cause__ or exc
+        if self.group is None and out_of_memory(cause) and not getattr(cause, "relieved", False):
+            cause.relieved = True  # one relief for all the requests it fails (a group ends instead)
+            relieve(cause, self.clear_cache, self.prefix_cache.nbytes)
 
     # -- the batch-size-1 fast path ---------------------------------------------
     def _start_solo(self, seq: Sequence) -> None:
@@ -865,34 +872,6 @@ class Engine(PromptBuilder, PrefillScheduler):
             prefill_step_size=self.prefill.batch,
             max_kv_size=o.max_kv_size,
         )
-
-
-def _always_trimmable(cache: list) -> bool:
-    """Whether every layer's cache can always be trimmed back to a shorter prefix.
-
-    A `RotatingKVCache` can be trimmed only until it first rotates, and an
-    `ArraysCache` never: such models need checkpoints, whatever an empty
-    cache says now.
-    """
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
-
-
-class _Quiet:
-    """A listener for warm-up requests: drops their output, keeps the first failure."""
-
-    error: BaseException | None = None
-
-    def started(self, req_id: int) -> None:
-        pass
-
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None) -> None:
-        pass
-
-    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None) -> None:
-        pass
-
-    def failed(self, req_id: int, exc: BaseException) -> None:
-        self.error = self.error or exc
 
 
 def device_name() -> str:

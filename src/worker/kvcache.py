@@ -71,6 +71,16 @@ class KVQuant:
     start: int
 
 
+def always_trimmable(cache: list) -> bool:
+    """Whether every layer's cache can always be trimmed back to a shorter prefix.
+
+    A `RotatingKVCache` can be trimmed only until it first rotates, and an
+    `ArraysCache` never: such models need checkpoints, whatever an empty
+    cache says now.
+    """
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
+
+
 def make_cache(model, max_kv_size: int | None) -> list:
     """A new cache for one sequence: the model's own, or a rotating window of `max_kv_size` tokens
     that keeps none of the first ones (as the batch's does)."""

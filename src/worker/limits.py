@@ -10,6 +10,8 @@ mlx_lm.server fails the same way; Metal and the CPU have no such limit.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,6 +40,31 @@ def on_cuda() -> bool:
     """Whether MLX runs on its CUDA backend here."""
     cuda = getattr(mx, "cuda", None)
     return cuda is not None and cuda.is_available()
+
+
+#: How each backend says an allocation failed: CUDA's ``cudaMallocAsync(...) failed: out of memory``,
+#: Metal's ``Insufficient Memory (...kIOGPUCommandBufferCallbackErrorOutOfMemory)`` and ``[metal::malloc]
+#: Attempting to allocate N bytes which is greater than the maximum allowed buffer size``, C++'s
+#: ``std::bad_alloc`` on the CPU.
+OUT_OF_MEMORY = re.compile(r"out of memory|insufficient memory|outofmemory|attempting to allocate|bad_alloc",
+                           re.IGNORECASE)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation that failed (MLX raises these as RuntimeError, by message)."""
+    return isinstance(exc, MemoryError) or bool(OUT_OF_MEMORY.search(str(exc)))
+
+
+def relieve(cause: BaseException, clear: Callable[[], None], kept_bytes: int) -> None:
+    """An allocation failed (`cause`): `clear` hands back what an engine keeps beyond its requests (its
+    prefix or image cache, `kept_bytes`, and MLX's cached buffers), so that the next requests find room
+    where the failed step's did not. A prefix the disk tier holds comes back from there."""
+    kept_bytes += mx.get_cache_memory()
+    clear()
+    log.warning("engine.out_of_memory", error=repr(cause)[:300], released_bytes=int(kept_bytes),
+                hint="the failed step's requests failed and the worker's caches were dropped; lower "
+                     "--decode-concurrency, --prefill-step-size or --prompt-cache-bytes, or free the "
+                     "memory other processes hold beside the worker")
 
 
 def prefill_token_cap(model: nn.Module, config: dict) -> int | None:

@@ -63,6 +63,24 @@ class Listener(Protocol):
     def failed(self, req_id: int, exc: BaseException) -> None: ...
 
 
+class Quiet:
+    """A listener for warm-up requests: drops their output, keeps the first failure."""
+
+    error: BaseException | None = None
+
+    def started(self, req_id: int) -> None:
+        pass
+
+    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, **_) -> None:
+        pass
+
+    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None, **_) -> None:
+        pass
+
+    def failed(self, req_id: int, exc: BaseException) -> None:
+        self.error = self.error or exc
+
+
 def make_request_sampler(p: SamplingParams, choice: int = 0):
     """mlx-lm's sampler for these settings, or None for greedy (batched as one argmax).
 

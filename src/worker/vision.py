@@ -48,7 +48,7 @@ from ..ipc.protocol import (
     SamplingParams,
     Stats,
 )
-from .limits import auto_prompt_cache_bytes, on_cuda
+from .limits import auto_prompt_cache_bytes, on_cuda, out_of_memory, relieve
 from .prompt import (
     DEFAULT_CONTEXT_LENGTH,
     PromptTooLongError,
@@ -60,6 +60,7 @@ from .prompt import (
 from .reply import make_splitter, split_emit
 from .sequence import (
     Listener,
+    Quiet,
     TextStream,
     make_request_processors,
     make_request_sampler,
@@ -342,6 +343,8 @@ class VisionEngine:
             self._run, run.steps = None, None
             reseed()  # a failed draw can leave MLX's random state broken (sequence.check_sampler)
             run.listener.failed(run.req.id, exc)
+            if out_of_memory(exc):
+                relieve(exc, self.clear_cache, self.cache.nbytes)
 
     def report(self) -> EngineReport:
         running = int(self._run is not None)
@@ -368,9 +371,12 @@ class VisionEngine:
         image = _png(WARMUP_IMAGE_PX)
         for req in (Generate(id=-1, params=params, prompt="Warm up the kernels."),
                     Generate(id=-2, params=params, messages=[_user("Warm up.", [image])])):
-            self.submit(req, _Quiet())
+            box = Quiet()
+            self.submit(req, box)
             while self.busy:
                 self.step()
+            if box.error is not None:
+                raise box.error
         self.cache.cap_bytes = cap
         self.cache.hits = self.cache.misses = 0
         self.warmup_s = time.perf_counter() - t0
@@ -649,19 +655,3 @@ def _user(text: str, images: list[bytes]):
     from ..ipc.protocol import ChatMessage
 
     return ChatMessage("user", text, images=images)
-
-
-class _Quiet:
-    """A listener that drops everything (warm-up)."""
-
-    def started(self, req_id: int) -> None:
-        pass
-
-    def token(self, req_id: int, token: int, text: str, reasoning: str = "", calls=None, **_: Any) -> None:
-        pass
-
-    def done(self, req_id: int, stats: Stats, text: str, reasoning: str = "", calls=None, **_: Any) -> None:
-        pass
-
-    def failed(self, req_id: int, exc: BaseException) -> None:
-        raise exc
