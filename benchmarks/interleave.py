@@ -11,8 +11,6 @@ CUDA its chunks on the grid of `prefill.ChunkSizer`), the same engine with ``pre
 ``mlx_lm.server`` and vllm-mlx (``--no-http`` leaves the servers out, ``--no-in-process`` the others).
 Greedy, EOS off.
 ``--alone`` times only B alone: what the scheduler's smaller chunks cost a lone long prompt.
-On a GPU with servers, this process keeps at most `SHARED_GPU_CACHE_BYTES` in MLX's cache and clears it
-after each in-process part, so that four MLX processes fit on one GPU.
 
 Writes the whole document to ``--out`` and ends with the table, that path and a one-line summary.
 """
@@ -32,10 +30,6 @@ from .env import describe
 from .peers import HTTP_PEERS
 
 GEN_B = GEN_C = 8
-# The MLX cache this process may keep while servers share its GPU: each MLX process caches up to 80% of
-# the GPU on its own, and this one's in-process parts (mlx-lm's prefill most) left 45-81 GB cached while
-# three servers held 21-31 GB each, which ran the H200 out of memory in session 21's 4-round mix.
-SHARED_GPU_CACHE_BYTES = 16 << 30
 
 
 class _Times:
@@ -218,12 +212,6 @@ def make_targets(model: str, model_path: str, http: bool, peers: list[str], skip
                 print(f"{name}: skipped: {exc}", file=sys.stderr, flush=True)
 
 
-def _on_gpu() -> bool:
-    import mlx.core as mx
-
-    return mx.default_device() == mx.gpu
-
-
 def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     from .e2e import make_prompt, model_tokenizer
 
@@ -233,11 +221,6 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     try:
         make_targets(args.model, path, args.http, args.peers, skipped, targets, in_process=args.in_process)
         rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
-        shared = args.http and args.in_process and _on_gpu()
-        if shared:
-            import mlx.core as mx
-
-            mx.set_cache_limit(SHARED_GPU_CACHE_BYTES)
         for r in range(args.rounds):
             for k, t in enumerate(targets):
                 base = 1000 * r + 100 * k  # paragraphs of their own: no prefix shared with any other
@@ -255,8 +238,6 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
                                     "c": (args.b_after_s + args.c_after_s, c, GEN_C)})
                     mixed["ttft_c_alone_ms"] = t.run({"c": (0.0, c1, GEN_C)})["ttft_c_ms"]
                 rows[t.name].append(mixed)
-                if shared and not isinstance(t, HttpTarget):
-                    mx.clear_cache()  # what the in-process part cached, back before a server's part
                 print(f"round {r} {t.name}: " + ", ".join(f"{k}={v:.0f}" for k, v in mixed.items()),
                       file=sys.stderr, flush=True)
     finally:
@@ -264,9 +245,7 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
             t.close()
     medians = {name: {k: statistics.median(x[k] for x in runs) for k in runs[0]}
                for name, runs in rows.items() if runs}
-    limit = SHARED_GPU_CACHE_BYTES if shared else None
-    return {"benchmark": "mlxrt-interleave", "config": vars(args) | {"in_process_cache_limit_bytes": limit},
-            "rounds": rows, "medians": medians,
+    return {"benchmark": "mlxrt-interleave", "config": vars(args), "rounds": rows, "medians": medians,
             "skipped": skipped, "servers": {t.name: t.server.describe() for t in targets
                                             if isinstance(t, HttpTarget)}, "env": describe()}
 
