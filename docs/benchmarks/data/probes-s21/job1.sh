@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 21: the 3-round mix with both MLX peers, after the harness's in-process parts were given a cache
-# limit and a clear after each part (benchmarks/interleave.py, SHARED_GPU_CACHE_BYTES): does it now fit one
-# H200? Each process's GPU memory is logged every 5 s, as in probes-s20/job5.sh.
+# Session 21: the 3-round mix with both MLX peers, with the harness's in-process parts given a 16 GiB cache
+# limit and a clear after each part (49c18ec; taken out again in 8ee4805, as it did not keep the run within
+# the H200): does it now fit one H200? Each process's GPU memory is logged every 5 s, as in probes-s20/job5.sh.
 # Staged first (carry [".gpu/a"], as probes-s20/job1.sh says); then, carry [".gpu/b"]:
 #   source .gpu/b/install.sh > /tmp/install.log 2>&1; setsid bash THIS >/dev/null 2>&1 </dev/null &
 #   sleep 2; L=/tmp/lease1 bash docs/benchmarks/data/probes-s21/poll.sh 540
