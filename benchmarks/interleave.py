@@ -30,6 +30,7 @@ from .env import describe
 from .peers import HTTP_PEERS
 
 GEN_B = GEN_C = 8
+IN_PROCESS_TARGETS = 3  # `make_targets`' first: a servers-only run gives each server the same prompts
 
 
 class _Times:
@@ -222,7 +223,7 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
         make_targets(args.model, path, args.http, args.peers, skipped, targets, in_process=args.in_process)
         rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
         for r in range(args.rounds):
-            for k, t in enumerate(targets):
+            for k, t in enumerate(targets, start=0 if args.in_process else IN_PROCESS_TARGETS):
                 base = 1000 * r + 100 * k  # paragraphs of their own: no prefix shared with any other
                 a = make_prompt(tok, args.a_prompt_tokens, start=base)[0]
                 b = make_prompt(tok, args.b_tokens, start=base + 10)[0]

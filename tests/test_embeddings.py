@@ -194,6 +194,7 @@ def test_a_pass_that_runs_out_of_memory_fails_alone_and_hands_the_buffers_back(e
     assert isinstance(box.error, BatchStepError) and "out of memory" in str(box.error)
     assert 7 not in box.results
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine.out_of_memory"]
+    assert mx.get_cache_memory() == 0 and "--embed-batch-tokens" in logs[-1]["hint"]
     np.testing.assert_array_equal(embed_in_process(embedder, [ids])[0], before)
 
 

@@ -638,12 +638,13 @@ def test_prefix_cache_cap_follows_the_machine_unless_given(monkeypatch):
     "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
     "[metal::malloc] Attempting to allocate 137438953472 bytes which is greater than the maximum allowed "
     "buffer size of 77309411328 bytes.",
+    "[malloc] Unable to allocate 96905199616 bytes.",  # MLX's allocator, any backend
     "std::bad_alloc",
 ])
 def test_an_allocation_that_fails_hands_the_caches_back(message):
-    """A batch step whose allocation fails fails the requests it carried, empties the prefix cache with one
-    warning that says how much went back, and the worker goes on: the same requests again get the ids they
-    got before. A step that fails otherwise keeps the prefix cache."""
+    """A batch step out of memory fails its requests, then drops the caches with one warning; others don't."""
+    # The worker goes on: the same requests again get the ids they got before.
+    import mlx.core as mx
     from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker.engine import BatchStepError
     from structlog.testing import capture_logs
@@ -671,9 +672,51 @@ def test_an_allocation_that_fails_hands_the_caches_back(message):
         assert all(isinstance(e, BatchStepError) for e in failed.errors.values())
         warned = [e for e in logs if e["event"] == "engine.out_of_memory"]
         if relieved:
-            assert len(engine.prefix_cache) == 0 and len(warned) == 1, warned
-            assert warned[0]["released_bytes"] >= kept > 0 and "--prompt-cache-bytes" in warned[0]["hint"]
+            assert len(engine.prefix_cache) == 0 and mx.get_cache_memory() == 0 and len(warned) == 1, warned
+            assert warned[0]["dropped_bytes"] >= kept > 0 and "--prompt-cache-bytes" in warned[0]["hint"]
         else:
-            assert engine.prefix_cache.nbytes >= kept and warned == []
+            assert engine.prefix_cache.nbytes >= kept and mx.get_cache_memory() > 0 and warned == []
     again = run_batch(engine, reqs)
     assert again.errors == {} and again.ids == before.ids
+
+
+def test_an_allocation_that_fails_on_the_fast_path_or_keeping_a_prefix(monkeypatch):
+    """Out of memory on the fast path fails its request and drops the caches; keeping a prefix, only that."""
+    # A prefix that could not be kept costs nothing else: its request ends as it would have.
+    from mlxrt.synthetic.build import ensure_model
+    from mlxrt.worker import prefix_cache
+    from structlog.testing import capture_logs
+
+    oom = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+    engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
+    lone = gen(1, "The quick brown fox", max_tokens=24)
+    before = run_alone(engine, lone)[0]
+    assert len(engine.prefix_cache) > 0
+    rec = Recorder()
+    engine.submit(gen(2, "This one breaks", max_tokens=50), rec)
+    for _ in range(3):
+        engine.step()
+
+    def boom(logprobs):
+        raise oom
+
+    engine._solo.seq.sampler = boom
+    with capture_logs() as logs:
+        while engine.busy:
+            engine.step()
+    assert "out of memory" in str(rec.errors[2]) and len(engine.prefix_cache) == 0
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine.out_of_memory"]
+
+    real = prefix_cache.owned
+
+    def fail_once(cache):
+        monkeypatch.setattr(prefix_cache, "owned", real)
+        raise oom
+
+    monkeypatch.setattr(prefix_cache, "owned", fail_once)
+    with capture_logs() as logs:
+        assert run_alone(engine, lone)[0] == before
+    assert len(engine.prefix_cache) == 0
+    assert [e["hint"].split(";")[0] for e in logs if e["event"] == "engine.out_of_memory"] == [
+        "a prefix was not kept"]
+    assert run_alone(engine, lone)[0] == before and len(engine.prefix_cache) > 0

@@ -232,6 +232,7 @@ def test_a_resumed_reply_goes_on_where_it_stopped(vl_model, seed):
 def test_an_image_request_that_runs_out_of_memory_fails_alone_and_empties_the_image_cache(vl_model):
     """A decode step whose allocation fails fails its request with one warning (`engine.out_of_memory`) and
     empties the image cache; the request again gets the tokens it got before."""
+    import mlx.core as mx
     from mlxrt.ipc.protocol import ChatMessage, Generate, SamplingParams
     from mlxrt.worker.vision import VisionEngine
     from structlog.testing import capture_logs
@@ -261,6 +262,7 @@ def test_an_image_request_that_runs_out_of_memory_fails_alone_and_empties_the_im
     with capture_logs() as logs:
         failed = run(2)
     assert "Insufficient Memory" in str(failed.errors[2]) and engine.cache.nbytes == 0
+    assert mx.get_cache_memory() == 0
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine.out_of_memory"]
     assert run(3).ids[3] == before.ids[1]
 

@@ -367,7 +367,8 @@ class Embedder:
                 self._waiting.drop(r)
                 r.listener.failed(r.req.id, error)
         if out_of_memory(exc):
-            relieve(exc, self.clear_cache, 0)
+            relieve(exc, self.clear_cache, kept_bytes=0, knobs="--embed-batch-tokens",
+                    what="the pass's requests failed; MLX's cached buffers were dropped")
 
     def _stats(self, r: _Request, reason: str) -> Stats:
         now = time.perf_counter()

@@ -634,10 +634,14 @@ class Engine(PromptBuilder, PrefillScheduler):
         seq.listener.failed(seq.req.id, exc)
         if seq.req.params.n > 1:
             self.cancel(seq.req.id)  # their ends are dropped: the request already failed
-        cause = exc.__cause__ or exc
+        cause = exc.__cause__ if isinstance(exc, BatchStepError) and exc.__cause__ else exc
         if self.group is None and out_of_memory(cause) and not getattr(cause, "relieved", False):
-            cause.relieved = True  # one relief for all the requests it fails (a group ends instead)
-            relieve(cause, self.clear_cache, self.prefix_cache.nbytes)
+            # Once for all the requests it fails, kept on the error (holding it here would keep its
+            # frames' arrays); a group ends instead.
+            cause.relieved = True  # type: ignore[attr-defined]
+            relieve(cause, self.clear_cache, kept_bytes=self.prefix_cache.nbytes,
+                    what="the failed step's requests failed; the prefix cache and MLX's cached buffers "
+                         "were dropped")
 
     # -- the batch-size-1 fast path ---------------------------------------------
     def _start_solo(self, seq: Sequence) -> None:

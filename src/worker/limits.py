@@ -42,12 +42,15 @@ def on_cuda() -> bool:
     return cuda is not None and cuda.is_available()
 
 
-#: How each backend says an allocation failed: CUDA's ``cudaMallocAsync(...) failed: out of memory``,
-#: Metal's ``Insufficient Memory (...kIOGPUCommandBufferCallbackErrorOutOfMemory)`` and ``[metal::malloc]
-#: Attempting to allocate N bytes which is greater than the maximum allowed buffer size``, C++'s
-#: ``std::bad_alloc`` on the CPU.
-OUT_OF_MEMORY = re.compile(r"out of memory|insufficient memory|outofmemory|attempting to allocate|bad_alloc",
-                           re.IGNORECASE)
+#: How MLX says an allocation failed: CUDA's ``cudaMallocAsync(...) failed: out of memory``, its
+#: allocator's ``[malloc] Unable to allocate N bytes.``, Metal's ``Attempting to allocate N bytes which is
+#: greater than the maximum allowed buffer size`` (one array too big for a buffer: freeing memory cannot
+#: help it, nor harms) and ``Insufficient Memory (...kIOGPUCommandBufferCallbackErrorOutOfMemory)``
+#: (reported by users; not seen here), C++'s ``std::bad_alloc`` on the CPU.
+OUT_OF_MEMORY = re.compile(r"out of memory|outofmemory|insufficient memory|unable to allocate|"
+                           r"attempting to allocate|bad_alloc", re.IGNORECASE)
+#: What lowers a text or vision worker's needs, for `relieve`'s warning.
+GENERATION_KNOBS = "--decode-concurrency, --prefill-step-size or --prompt-cache-bytes"
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -55,16 +58,16 @@ def out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or bool(OUT_OF_MEMORY.search(str(exc)))
 
 
-def relieve(cause: BaseException, clear: Callable[[], None], kept_bytes: int) -> None:
+def relieve(cause: BaseException, clear: Callable[[], None], *, kept_bytes: int, what: str,
+            knobs: str = GENERATION_KNOBS) -> None:
     """An allocation failed (`cause`): `clear` hands back what an engine keeps beyond its requests (its
-    prefix or image cache, `kept_bytes`, and MLX's cached buffers), so that the next requests find room
-    where the failed step's did not. A prefix the disk tier holds comes back from there."""
+    prefix or image cache, `kept_bytes`, and MLX's cached buffers), so that the next requests find room.
+    `what` says what failed and what was dropped; a prefix the disk tier holds comes back from there. The
+    warning's `dropped_bytes` is what the caches held: arrays a running request shares stay in use."""
     kept_bytes += mx.get_cache_memory()
     clear()
-    log.warning("engine.out_of_memory", error=repr(cause)[:300], released_bytes=int(kept_bytes),
-                hint="the failed step's requests failed and the worker's caches were dropped; lower "
-                     "--decode-concurrency, --prefill-step-size or --prompt-cache-bytes, or free the "
-                     "memory other processes hold beside the worker")
+    log.warning("engine.out_of_memory", error=repr(cause)[:300], dropped_bytes=int(kept_bytes),
+                hint=f"{what}. Lower {knobs}, or free the memory other processes hold beside the worker")
 
 
 def prefill_token_cap(model: nn.Module, config: dict) -> int | None:

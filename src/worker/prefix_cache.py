@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     LRUPromptCache,
     PromptTrie,
@@ -56,6 +57,7 @@ from mlx_lm.models.cache import (
 
 from ..ipc.protocol import DiskCacheReport, EngineReport
 from .kvcache import owned
+from .limits import out_of_memory, relieve
 
 if TYPE_CHECKING:
     from .disk_cache import DiskTier
@@ -292,7 +294,14 @@ class PrefixCache:
         evicts assistant entries first and system prompts last.
         """
         if self.enabled and tokens and cache:
-            cache = owned(cache)
+            try:
+                cache = owned(cache)
+            except Exception as exc:  # a prefix kept is a gain, not a need: this one is skipped
+                if self._total is not None or not out_of_memory(exc):
+                    raise  # (a group's ranks must keep the same entries)
+                relieve(exc, mx.clear_cache, kept_bytes=0,
+                        what="a prefix was not kept; MLX's cached buffers were dropped")
+                return
             self._lru.insert_cache(_MODEL_KEY, list(tokens), cache, cache_type=kind)
             if self._total is not None:
                 self._evict(self._total)

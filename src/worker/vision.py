@@ -344,7 +344,9 @@ class VisionEngine:
             reseed()  # a failed draw can leave MLX's random state broken (sequence.check_sampler)
             run.listener.failed(run.req.id, exc)
             if out_of_memory(exc):
-                relieve(exc, self.clear_cache, self.cache.nbytes)
+                relieve(exc, self.clear_cache, kept_bytes=self.cache.nbytes,
+                        what="the request failed; the image cache and MLX's cached buffers were dropped",
+                        knobs="--prompt-cache-bytes or the images' size")
 
     def report(self) -> EngineReport:
         running = int(self._run is not None)
