@@ -313,6 +313,18 @@ class Recorder:
         self.errors[req_id] = exc
 
 
+def fail_once(owner: object, name: str, exc: BaseException) -> None:
+    """Make `owner.name` (a module's function or an object's method) raise `exc` at its next call, and be
+    itself again from then on."""
+    real = getattr(owner, name)
+
+    def boom(*args, **kwargs):
+        setattr(owner, name, real)
+        raise exc
+
+    setattr(owner, name, boom)
+
+
 def run_handed_over(engine: Engine, first: Generate, second: Generate, after: int) -> Recorder:
     """`first` alone for `after` steps (on the fast path), then `second` arrives; run both to the end."""
     rec = Recorder()

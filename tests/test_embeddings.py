@@ -18,7 +18,7 @@ from mlxrt.ipc.protocol import Embed, EngineOptions, Generate, SamplingParams
 from mlxrt.worker.embed import Embedder, EmbeddingSpec, embedding_spec
 from mlxrt.worker.embed_batch import MAX_WASTE_CPU, MAX_WASTE_GPU
 from mlxrt.worker.engine import BatchStepError, ModelKindError
-from support import assert_stopped, running
+from support import assert_stopped, fail_once, running
 
 TEXTS = ["The river ran past the old mill.", "Boats", "The morning train left the station at dawn",
          "Children watched the boats go by while the baker opened his door and the bells rang"]
@@ -180,13 +180,8 @@ def test_a_pass_that_runs_out_of_memory_fails_alone_and_hands_the_buffers_back(e
     embedder = Embedder(emb_model, embedding_spec(emb_model))
     ids = random_ids([9])
     before = embed_in_process(embedder, [ids])[0]
-    real = embedder.forward
-
-    def boom(*args):
-        embedder.forward = real
-        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-
-    embedder.forward, box = boom, _Collect()
+    fail_once(embedder, "forward", RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory"))
+    box = _Collect()
     with capture_logs() as logs:
         embedder.submit(Embed(id=7, inputs=ids), box)
         while embedder.busy:

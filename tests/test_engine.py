@@ -12,7 +12,10 @@ import msgspec
 import pytest
 from mlxrt.ipc.protocol import EngineOptions, Generate
 from mlxrt.worker.engine import Engine
-from support import FAMILIES, Recorder, chat, gen, run_alone, run_batch, run_handed_over
+from support import FAMILIES, Recorder, chat, fail_once, gen, run_alone, run_batch, run_handed_over
+
+#: How MLX's CUDA backend says an allocation failed (seen on an H200).
+OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -554,26 +557,33 @@ def test_stop_strings_stop_ids_and_max_tokens_on_the_fast_path():
     assert engine.solo_requests == 3
 
 
-def test_failure_on_the_fast_path_fails_that_request_alone():
+@pytest.mark.parametrize("message, relieved", [("sampler broke", False), (OOM, True)])
+def test_failure_on_the_fast_path_fails_that_request_alone(message, relieved):
     """A step of the lone request that raises fails it; the engine then serves requests as before."""
+    # Out of memory, it also drops the prefix cache, with one warning (`limits.relieve`).
     from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker.engine import BatchStepError
+    from structlog.testing import capture_logs
 
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
     seeded = gen(2, "The quick brown fox", temperature=0.9, seed=3)
     before = run_alone(engine, seeded)[0]
+    assert len(engine.prefix_cache) > 0
     rec = Recorder()
     engine.submit(gen(1, "This one breaks", max_tokens=50), rec)
     for _ in range(3):
         engine.step()
 
     def boom(logprobs):
-        raise RuntimeError("sampler broke")
+        raise RuntimeError(message)
 
     engine._solo.seq.sampler = boom
-    while engine.busy:
-        engine.step()
+    with capture_logs() as logs:
+        while engine.busy:
+            engine.step()
     assert isinstance(rec.errors[1], BatchStepError) and 1 not in rec.stats
+    warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert (len(engine.prefix_cache) == 0) == relieved and warned == ["engine.out_of_memory"] * relieved
     assert run_alone(engine, seeded)[0] == before
     assert run_batch(engine, [gen(3, "Hello"), gen(4, "World")]).errors == {}
 
@@ -633,7 +643,7 @@ def test_prefix_cache_cap_follows_the_machine_unless_given(monkeypatch):
 
 
 @pytest.mark.parametrize("message", [
-    "cudaMallocAsync(&data, size, stream) failed: out of memory",  # CUDA (seen on an H200)
+    OOM,
     "[METAL] Command buffer execution failed: Insufficient Memory "
     "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
     "[metal::malloc] Attempting to allocate 137438953472 bytes which is greater than the maximum allowed "
@@ -654,18 +664,9 @@ def test_an_allocation_that_fails_hands_the_caches_back(message):
     before = run_batch(engine, reqs)
     assert before.errors == {} and len(engine.prefix_cache) > 0
 
-    def fail_next_step(text: str) -> None:
-        batch, real = engine._batch, engine._batch.next
-
-        def boom():
-            batch.next = real
-            raise RuntimeError(text)
-
-        batch.next = boom
-
     for text, relieved in (("sampler broke", False), (message, True)):
         kept = engine.prefix_cache.nbytes
-        fail_next_step(text)
+        fail_once(engine._batch, "next", RuntimeError(text))
         with capture_logs() as logs:
             failed = run_batch(engine, [gen(3, "One more"), gen(4, "And another")])
         assert set(failed.errors) == {3, 4}
@@ -680,40 +681,19 @@ def test_an_allocation_that_fails_hands_the_caches_back(message):
     assert again.errors == {} and again.ids == before.ids
 
 
-def test_an_allocation_that_fails_on_the_fast_path_or_keeping_a_prefix(monkeypatch):
-    """Out of memory on the fast path fails its request and drops the caches; keeping a prefix, only that."""
-    # A prefix that could not be kept costs nothing else: its request ends as it would have.
+def test_a_prefix_that_cannot_be_kept_is_skipped():
+    """Out of memory while keeping a prefix skips that prefix alone, with one warning."""
+    # Its request ends as it would have, and the next one keeps its prefix.
     from mlxrt.synthetic.build import ensure_model
     from mlxrt.worker import prefix_cache
     from structlog.testing import capture_logs
 
-    oom = RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
     engine = Engine(str(ensure_model("tiny")), options=EngineOptions())
     lone = gen(1, "The quick brown fox", max_tokens=24)
     before = run_alone(engine, lone)[0]
     assert len(engine.prefix_cache) > 0
-    rec = Recorder()
-    engine.submit(gen(2, "This one breaks", max_tokens=50), rec)
-    for _ in range(3):
-        engine.step()
-
-    def boom(logprobs):
-        raise oom
-
-    engine._solo.seq.sampler = boom
-    with capture_logs() as logs:
-        while engine.busy:
-            engine.step()
-    assert "out of memory" in str(rec.errors[2]) and len(engine.prefix_cache) == 0
-    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["engine.out_of_memory"]
-
-    real = prefix_cache.owned
-
-    def fail_once(cache):
-        monkeypatch.setattr(prefix_cache, "owned", real)
-        raise oom
-
-    monkeypatch.setattr(prefix_cache, "owned", fail_once)
+    engine.clear_cache()
+    fail_once(prefix_cache, "owned", RuntimeError(OOM))
     with capture_logs() as logs:
         assert run_alone(engine, lone)[0] == before
     assert len(engine.prefix_cache) == 0

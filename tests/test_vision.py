@@ -236,7 +236,7 @@ def test_an_image_request_that_runs_out_of_memory_fails_alone_and_empties_the_im
     from mlxrt.ipc.protocol import ChatMessage, Generate, SamplingParams
     from mlxrt.worker.vision import VisionEngine
     from structlog.testing import capture_logs
-    from support import Recorder
+    from support import Recorder, fail_once
 
     engine = VisionEngine(vl_model)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -251,14 +251,8 @@ def test_an_image_request_that_runs_out_of_memory_fails_alone_and_empties_the_im
 
     before = run(1)
     assert engine.cache.nbytes > 0
-    real = engine._decode
-
-    def boom(r):
-        engine._decode = real
-        raise RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory "
-                           "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)")
-
-    engine._decode = boom
+    fail_once(engine, "_decode", RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory "
+                                              "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"))
     with capture_logs() as logs:
         failed = run(2)
     assert "Insufficient Memory" in str(failed.errors[2]) and engine.cache.nbytes == 0
